@@ -1,0 +1,188 @@
+"""`rkv`: the command line. Each subcommand is a thin shell over the library.
+
+Contracts other tools rely on (keep them stable, extend rather than rename):
+  rkv accounting --backbone B --method M --context-len N --json   -> {kr_measured, kr_formula, cr, bytes, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import accounting
+from .backbones import get_backbone, load_backbone
+from .codec import ResidualCodec
+from .config import ResidualKVConfig, load_codec_defaults
+from .methods import METHODS, build_cache, get_method
+from .paths import data_dir
+
+
+# ---- shared helpers (also used by the training and evaluation commands) ----
+
+def base_config(spec) -> ResidualKVConfig:
+    return load_codec_defaults(spec.codec, list(spec.full_attention_layers)) if spec else ResidualKVConfig()
+
+
+def codecs_dir(backbone: str) -> Path:
+    return data_dir() / "codecs" / backbone
+
+
+def latest_codec_path(backbone: str) -> Path | None:
+    """The most recently saved codec for a backbone under the data directory, if any."""
+    root = codecs_dir(backbone)
+    found = sorted(root.glob("*/codec.json"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    return found[-1].parent if found else None
+
+
+def resolve_codec(ref: str | None, model, spec, *, required: bool = True) -> ResidualCodec | None:
+    """--codec PATH_OR_URI, else the latest trained codec for the backbone."""
+    if ref and ref.startswith("models:/"):
+        from registry.serving import load_codec  # the registry wraps MLflow; the library does not import it
+
+        return load_codec(ref, model_config=model.config)
+    path = Path(ref) if ref else (latest_codec_path(spec.name) if spec else None)
+    if path is None:
+        if required:
+            name = spec.name if spec else "<backbone>"
+            raise SystemExit(f"no trained codec for {name}: train one with `rkv train --backbone {name}` "
+                             "or pass --codec PATH_OR_URI")
+        return None
+    return ResidualCodec.load(path, model_config=model.config)
+
+
+def untrained_codec(model, spec, cfg: ResidualKVConfig) -> ResidualCodec:
+    return ResidualCodec.for_model(model.config, cfg, d_c=spec.codec["d_c"], d_ff=spec.codec["d_ff"],
+                                   backbone=spec.name)
+
+
+def context_ids(tokenizer, n_tokens: int, batch: int = 1) -> torch.Tensor:
+    from .data import offline_text
+
+    ids = tokenizer(offline_text(n_tokens * 8), return_tensors="pt").input_ids[:, : n_tokens * batch]
+    if ids.shape[1] < n_tokens * batch:
+        raise SystemExit(f"the offline corpus gave only {ids.shape[1]} tokens; ask for a shorter --context-len")
+    return ids.reshape(batch, n_tokens)
+
+
+# ---- subcommands ----
+
+def cmd_accounting(args) -> int:
+    model, tok, spec = load_backbone(args.backbone)
+    cfg = base_config(spec)
+    method = get_method(args.method)
+    codec, codec_note = None, "none"
+    if method.needs_codec:
+        codec = resolve_codec(args.codec, model, spec, required=False)
+        codec_note = "trained" if codec is not None else "untrained (bytes do not depend on weights)"
+        codec = codec or untrained_codec(model, spec, cfg)
+    cache = build_cache(args.method, model, codec, cfg)
+    ids = context_ids(tok, args.context_len, args.batch)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    rep = accounting.report(cache)
+    rep.update({"backbone": args.backbone, "method": args.method, "context_len": args.context_len,
+                "batch": args.batch, "codec": codec_note, "prefill_seconds": time.perf_counter() - t0})
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(accounting.explain(rep))
+        for k, v in rep["bytes"].items():
+            print(f"  {k:28s} {v:>12,d} B")
+    return 0
+
+
+def _generate(model, tok, prompt: str, cache, max_new_tokens: int) -> str:
+    if tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+
+
+def cmd_generate(args) -> int:
+    model, tok, spec = load_backbone(args.backbone)
+    codec = resolve_codec(args.codec, model, spec)
+    cache = build_cache(args.method, model, codec, base_config(spec))
+    print(_generate(model, tok, args.prompt, cache, args.max_new_tokens))
+    rep = accounting.report(cache)
+    print(f"[{args.method}] measured KR {rep['kr_measured']:.2%} (formula {rep['kr_formula']:.2%}), CR {rep['cr']:.0%}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    print(f"loading {args.backbone} (offline) …", flush=True)
+    model, tok, spec = load_backbone(args.backbone)
+    cfg = base_config(spec)
+    codec = resolve_codec(args.codec, model, spec, required=False)
+    note = "trained codec" if codec is not None else "UNTRAINED codec: text will be poor until `rkv train` has run"
+    codec = codec or untrained_codec(model, spec, cfg)
+    prompt = args.prompt
+    for name in ("full", "residualkv-dagger", "residualkv"):
+        cache = build_cache(name, model, codec, cfg)
+        t0 = time.perf_counter()
+        answer = _generate(model, tok, prompt, cache, args.max_new_tokens)
+        rep = accounting.report(cache)
+        print(f"\n== {name} ({note if name == 'residualkv' else get_method(name).description})")
+        print(f"   {answer.strip()!r}")
+        print(f"   measured KR {rep['kr_measured']:.2%}  formula {rep['kr_formula']:.2%}  CR {rep['cr']:.0%}  "
+              f"{time.perf_counter() - t0:.1f}s")
+    print("\nByte accounting at 4096 tokens: rkv accounting --backbone smollm2-135m --method residualkv --context-len 4096")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rkv", description="ResidualKV: learned KV-cache compression for HF LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("accounting", help="measured KR/CR of a method at a context length")
+    a.add_argument("--backbone", default="smollm2-135m")
+    a.add_argument("--method", default="residualkv", choices=list(METHODS))
+    a.add_argument("--context-len", type=int, default=4096)
+    a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.set_defaults(func=cmd_accounting)
+
+    g = sub.add_parser("generate", help="answer a prompt with a compressed cache")
+    g.add_argument("prompt")
+    g.add_argument("--backbone", default="smollm2-135m")
+    g.add_argument("--method", default="residualkv", choices=list(METHODS))
+    g.add_argument("--codec", default=None)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="load SmolLM2 offline, generate with the compressed cache, print measured KR")
+    d.add_argument("--backbone", default="smollm2-135m")
+    d.add_argument("--codec", default=None)
+    d.add_argument("--prompt", default="Explain in two sentences what a key-value cache is in a transformer.")
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.set_defaults(func=cmd_demo)
+
+    for module in ("residualkv.training.cli", "residualkv.evaluation.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if not e.name or not module.startswith(e.name):
+                raise
+            continue
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The ResidualKV codec (seed §2.3, §2.5): a SwiGLU encoder that runs once per token at write time,
+and a bias-free linear decoder that runs on every read.
+
+    f_c(x) = (swish(x W_c1) ⊙ x W_c2) W_c3          z_i = f_c(kv_i) - f_c(mean_ref_i)
+    kv_hat_i = z~_i W_d + mean_ref_i
+
+Note the order: each side is encoded, then subtracted; f_c is non-linear, so this is not f_c(kv - mean_ref).
+The "identity" kind is ResidualKV† (quantised raw residuals, no network).
+
+A saved codec is a directory with `codec.safetensors` (weights only) and `codec.json` (dims, cache
+config, the backbone's fingerprint, the weights' sha256), so it is never attached to the wrong model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import CodecDims, ResidualKVConfig
+
+FORMAT_VERSION = 1
+WEIGHTS = "codec.safetensors"
+META = "codec.json"
+
+
+class CodecError(ValueError):
+    """A codec cannot be loaded or does not fit the model it is attached to."""
+
+
+class LayerCodec(nn.Module):
+    def __init__(self, dims: CodecDims):
+        super().__init__()
+        self.dims = dims
+        if dims.kind == "swiglu":
+            self.w_c1 = nn.Linear(dims.d_kv, dims.d_ff, bias=False)
+            self.w_c2 = nn.Linear(dims.d_kv, dims.d_ff, bias=False)
+            self.w_c3 = nn.Linear(dims.d_ff, dims.d_c, bias=False)
+            self.w_d = nn.Linear(dims.d_c, dims.d_kv, bias=False)
+
+    def f_c(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_c3(F.silu(self.w_c1(x)) * self.w_c2(x))
+
+    def encode(self, kv: torch.Tensor, mean_ref: torch.Tensor) -> torch.Tensor:
+        if self.dims.kind == "identity":
+            return kv - mean_ref
+        dtype = self.w_c1.weight.dtype
+        return self.f_c(kv.to(dtype)) - self.f_c(mean_ref.to(dtype))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        if self.dims.kind == "identity":
+            return z
+        return self.w_d(z.to(self.w_d.weight.dtype))
+
+
+class ResidualCodec(nn.Module):
+    """One LayerCodec per compressed (non full-attention) layer of a backbone."""
+
+    def __init__(self, dims: CodecDims, layer_ids: list[int], config: ResidualKVConfig,
+                 backbone: str = "", fingerprint: dict[str, Any] | None = None, extra: dict[str, Any] | None = None):
+        super().__init__()
+        self.dims = dims
+        self.config = config
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.backbone = backbone
+        self.fingerprint = dict(fingerprint or {})
+        self.extra = dict(extra or {})
+        self.layers = nn.ModuleDict({str(i): LayerCodec(dims) for i in self.layer_ids})
+
+    @classmethod
+    def for_model(cls, model_config, config: ResidualKVConfig, d_c: int, d_ff: int, kind: str = "swiglu",
+                  backbone: str = "", seed: int = 0) -> "ResidualCodec":
+        from .backbones import fingerprint
+
+        n_layers, n_kv, head_dim = model_shape(model_config)
+        config.check_model(n_layers)
+        d_kv = 2 * n_kv * head_dim
+        dims = CodecDims(d_kv=d_kv, d_c=d_kv if kind == "identity" else d_c, d_ff=d_ff, kind=kind)
+        layer_ids = [i for i in range(n_layers) if i not in config.full_attention_layers]
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return cls(dims, layer_ids, config, backbone=backbone, fingerprint=fingerprint(model_config))
+
+    def layer(self, layer_idx: int) -> LayerCodec:
+        return self.layers[str(layer_idx)]
+
+    def meta(self) -> dict[str, Any]:
+        from .backbones import fingerprint_hash
+
+        return {
+            "format_version": FORMAT_VERSION,
+            "backbone": self.backbone,
+            "fingerprint": self.fingerprint,
+            "fingerprint_hash": fingerprint_hash(self.fingerprint) if self.fingerprint else "",
+            "dims": {"d_kv": self.dims.d_kv, "d_c": self.dims.d_c, "d_ff": self.dims.d_ff, "kind": self.dims.kind},
+            "layer_ids": self.layer_ids,
+            "cache_config": self.config.to_dict(),
+            "extra": self.extra,
+        }
+
+    def save(self, directory: str | Path) -> Path:
+        """Write weights and metadata atomically: a reader sees the old codec or the new one, never half."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "residualkv-codec"})
+        meta = self.meta() | {"weights_sha256": sha256_file(tmp / WEIGHTS)}
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if directory.exists():
+            old = directory.with_name(directory.name + ".old")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            _rmtree(old)
+        else:
+            os.replace(tmp, directory)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, model_config=None) -> "ResidualCodec":
+        directory = Path(directory)
+        if not (directory / META).is_file() or not (directory / WEIGHTS).is_file():
+            raise CodecError(f"{directory} is not a saved codec: expected {META} and {WEIGHTS} inside it")
+        meta = json.loads((directory / META).read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise CodecError(f"{directory}: codec format_version {meta.get('format_version')} is not {FORMAT_VERSION}")
+        digest = sha256_file(directory / WEIGHTS)
+        if meta.get("weights_sha256") and digest != meta["weights_sha256"]:
+            raise CodecError(f"{directory}/{WEIGHTS} is corrupted: sha256 {digest[:12]}… does not match "
+                             f"{meta['weights_sha256'][:12]}… recorded at save time; re-download or re-train it")
+        dims = CodecDims(**meta["dims"])
+        codec = cls(dims, meta["layer_ids"], ResidualKVConfig.from_dict(meta["cache_config"]),
+                    backbone=meta.get("backbone", ""), fingerprint=meta.get("fingerprint"), extra=meta.get("extra"))
+        codec.load_state_dict(load_file(str(directory / WEIGHTS)))
+        if model_config is not None:
+            codec.check_compatible(model_config)
+        return codec
+
+    def check_compatible(self, model_config) -> None:
+        from .backbones import fingerprint
+
+        if not self.fingerprint:
+            return
+        theirs = fingerprint(model_config)
+        diff = {k: (self.fingerprint.get(k), theirs.get(k)) for k in set(self.fingerprint) | set(theirs)
+                if self.fingerprint.get(k) != theirs.get(k)}
+        if diff:
+            details = ", ".join(f"{k}: codec {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise CodecError(f"this codec was trained for backbone {self.backbone or '?'} and does not fit this model "
+                             f"({details}); load the model it was trained for or train a codec for this one")
+
+
+def model_shape(model_config) -> tuple[int, int, int]:
+    n_layers = model_config.num_hidden_layers
+    n_heads = model_config.num_attention_heads
+    n_kv = getattr(model_config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
+    return n_layers, n_kv, head_dim
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

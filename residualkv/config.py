@@ -1,0 +1,118 @@
+"""Typed configuration of the compressed cache: one table of names and defaults, validated up front.
+
+Defaults follow the ResidualKV paper and the authors' public code (SPEC §2): stride 10 (reference
+density ~10%), k = 4 references averaged, 4-bit latents in groups of 32 with FP16 min/scale, FP8
+references, KIVI 4-bit full-attention layers with a 32-token FP16 residual window, 8 sink tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_BITS = (2, 4, 8)
+REF_FORMATS = ("fp8", "fp16")
+MODES = ("standalone",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ResidualKVConfig:
+    """Everything that decides how a ResidualKV cache stores and reconstructs tokens."""
+
+    full_attention_layers: tuple[int, ...] = ()
+    # reference schedule
+    n_sink: int = 8
+    stride: int = 10
+    stride_alpha: float = 0.0
+    ref_format: str = "fp8"
+    # retrieval
+    k: int = 4
+    # latent quantisation
+    bits: int = 4
+    group_size: int = 32
+    # full-attention layers (KIVI-style)
+    full_bits: int = 4
+    full_group_size: int = 32
+    full_window: int = 32
+    # how sparse layers read history
+    mode: str = "standalone"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "full_attention_layers", tuple(int(i) for i in self.full_attention_layers))
+        _check(self.n_sink >= 0, "n_sink", self.n_sink, "use 0 or more sink tokens (paper default 8)")
+        _check(self.stride >= 1, "stride", self.stride, "use a stride of at least 1 (paper default 10)")
+        _check(self.stride_alpha >= 0, "stride_alpha", self.stride_alpha, "use 0 for a fixed stride or a small positive growth such as 0.001")
+        _check(self.ref_format in REF_FORMATS, "ref_format", self.ref_format, f"choose one of {REF_FORMATS}")
+        _check(self.k >= 1, "k", self.k, "average at least one reference (paper default 4)")
+        _check(self.bits in SUPPORTED_BITS, "bits", self.bits, f"choose one of {SUPPORTED_BITS}")
+        _check(self.full_bits in SUPPORTED_BITS, "full_bits", self.full_bits, f"choose one of {SUPPORTED_BITS}")
+        for name in ("group_size", "full_group_size"):
+            g = getattr(self, name)
+            _check(g >= 8 and g % 8 == 0, name, g, "use a positive multiple of 8 (paper default 32) so groups pack into whole bytes")
+        _check(self.full_window >= 0, "full_window", self.full_window, "use 0 or more FP16 recent tokens")
+        _check(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
+        _check(len(set(self.full_attention_layers)) == len(self.full_attention_layers), "full_attention_layers",
+               self.full_attention_layers, "list each layer id once")
+
+    def replace(self, **changes: Any) -> "ResidualKVConfig":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown ResidualKVConfig field(s) {sorted(unknown)}; known: {self.field_names()}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ResidualKVConfig":
+        unknown = set(data) - set(cls.field_names())
+        if unknown:
+            raise ConfigError(f"unknown ResidualKVConfig field(s) {sorted(unknown)}; known: {cls.field_names()}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["full_attention_layers"] = list(self.full_attention_layers)
+        return d
+
+    def check_model(self, num_layers: int) -> None:
+        bad = [i for i in self.full_attention_layers if not 0 <= i < num_layers]
+        _check(not bad, "full_attention_layers", bad, f"layer ids must lie in [0, {num_layers})")
+
+
+@dataclass(frozen=True)
+class CodecDims:
+    """Shapes of a per-layer codec: input 2·d_k (all KV heads' key and value), latent d_c, SwiGLU width d_ff."""
+
+    d_kv: int  # 2 * d_k
+    d_c: int
+    d_ff: int
+    kind: str = "swiglu"  # "swiglu" (the paper's codec) or "identity" (ResidualKV†: raw residuals, no network)
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("swiglu", "identity"), "kind", self.kind, "choose 'swiglu' or 'identity'")
+        if self.kind == "identity":
+            _check(self.d_c == self.d_kv, "d_c", self.d_c, f"the identity codec keeps d_c == 2*d_k == {self.d_kv}")
+        for name in ("d_kv", "d_c", "d_ff"):
+            _check(getattr(self, name) > 0, name, getattr(self, name), "use a positive size")
+
+
+def _check(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid {name}={value!r}: {fix}")
+
+
+def load_codec_defaults(spec_codec: dict[str, Any], full_attention_layers: list[int]) -> ResidualKVConfig:
+    """Build a cache config from a backbone YAML's `codec:` block (unknown keys are codec sizes, not cache fields)."""
+    cache_keys = set(ResidualKVConfig.field_names())
+    kw = {k: v for k, v in spec_codec.items() if k in cache_keys}
+    return ResidualKVConfig(full_attention_layers=tuple(full_attention_layers), **kw)
+
+
+__all__ = ["ConfigError", "ResidualKVConfig", "CodecDims", "load_codec_defaults"]

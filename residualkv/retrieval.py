@@ -1,0 +1,46 @@
+"""Causal L2 top-k retrieval of references (seed §2.2).
+
+For each non-reference token, the k_i = min(k, #refs before it) stored references with the smallest
+squared L2 distance, and their arithmetic mean. References are given in ordinal order, so "the
+references before token t" are the first `n_avail[t]` of them. Distances and the mean use the
+*stored* reference values (after their FP8/FP16 round trip), exactly what the decoder will see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 2048  # queries per distance block: bounds the [B, chunk, R] distance matrix
+
+
+def topk_refs(queries: torch.Tensor, refs: torch.Tensor, n_avail: torch.Tensor, k: int) -> torch.Tensor:
+    """queries [B, T, d], refs [B, R, d], n_avail [T] -> indices [B, T, k] into refs, -1 where k_i < k."""
+    B, T, _ = queries.shape
+    R = refs.shape[1]
+    out = torch.full((B, T, k), -1, dtype=torch.long, device=queries.device)
+    if R == 0 or T == 0:
+        return out
+    kk = min(k, R)
+    r = refs.float()
+    r_sq = r.pow(2).sum(-1)  # [B, R]
+    cols = torch.arange(R, device=queries.device)
+    for s in range(0, T, CHUNK):
+        q = queries[:, s : s + CHUNK].float()
+        # ||q||^2 is the same for every candidate of a query, so it cannot change the ranking
+        d = r_sq.unsqueeze(1) - 2 * q @ r.transpose(1, 2)  # [B, t, R]
+        avail = n_avail[s : s + CHUNK].to(queries.device)
+        d = d.masked_fill(cols[None, None, :] >= avail[None, :, None], float("inf"))
+        idx = d.topk(kk, dim=-1, largest=False).indices  # [B, t, kk]
+        valid = torch.arange(kk, device=queries.device)[None, None, :] < avail[None, :, None]
+        out[:, s : s + CHUNK, :kk] = torch.where(valid, idx, -1)
+    return out
+
+
+def mean_of_refs(refs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """refs [B, R, d] (decoded), idx [B, T, k] with -1 padding -> mean [B, T, d] over the valid entries."""
+    valid = idx >= 0
+    rows = torch.arange(refs.shape[0], device=refs.device)[:, None, None]
+    gathered = refs[rows, idx.clamp(min=0)]  # [B, T, k, d]
+    w = valid.to(refs.dtype)
+    count = w.sum(-1, keepdim=True).clamp(min=1)
+    return (gathered * w.unsqueeze(-1)).sum(2) / count

@@ -1,0 +1,62 @@
+"""Rotary position embedding: undo it on keys as they arrive, redo it on reconstructed keys.
+
+ResidualKV compares and compresses *pre-RoPE* keys (seed §2.1). transformers hands the cache keys
+that are already rotated, so the cache rebuilds the model's own cos/sin (same rotary module, same
+positions, hence the same numbers, rope scaling included) and applies the exact inverse. A
+reconstructed key is rotated with the position of the token it belongs to, never a reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos/sin: [B, T, D] (the layout transformers' rotary modules return)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of `apply_rope`, including a rope attention scaling a: R(-θ)/a = R(θ)^T / a²."""
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    xf = x.float()
+    out = (xf * cos - rotate_half(xf) * sin) / (cos * cos + sin * sin)
+    return out.to(x.dtype)
+
+
+class RopeTable:
+    """The model's rotary embedding as a function of integer positions."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "RopeTable":
+        base = getattr(model, "model", model)
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(
+                f"{type(model).__name__} has no `rotary_emb` module; ResidualKV needs a RoPE model "
+                "(Llama, Mistral, Qwen2/3 families). Pass `rope=RopeTable(rotary_module)` explicitly."
+            )
+        return cls(rotary)
+
+    @classmethod
+    def from_config(cls, config) -> "RopeTable":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return cls(LlamaRotaryEmbedding(config))
+
+    @torch.no_grad()
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [B, T] integer -> cos, sin [B, T, D] in `dtype`."""
+        probe = torch.empty(0, dtype=dtype, device=positions.device)
+        self.rotary.to(positions.device)
+        return self.rotary(probe, positions.long())

@@ -1,0 +1,51 @@
+"""Which tokens are stored as references (seed §2.6).
+
+Tokens are counted by their ordinal within their own sequence (0 = first real token), so a left-padded
+row gets exactly the schedule it would get alone. Ordinals 0..n_sink-1 are sink references; after them
+references sit at p_0 = n_sink and p_{m+1} = p_m + s0 + floor(alpha * (p_m - n_sink)). alpha = 0 is the
+fixed stride. The schedule is extended lazily, so it works token by token while decoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ReferenceSchedule:
+    def __init__(self, n_sink: int, stride: int, alpha: float = 0.0):
+        self.n_sink = int(n_sink)
+        self.stride = int(stride)
+        self.alpha = float(alpha)
+        self._positions: list[int] = list(range(self.n_sink))  # ref ordinals, increasing
+        self._next = self.n_sink  # next non-sink reference ordinal
+
+    def _extend(self, n: int) -> None:
+        while self._next < n:
+            self._positions.append(self._next)
+            self._next += self.stride + math.floor(self.alpha * (self._next - self.n_sink))
+
+    def ref_ordinals(self, n: int) -> torch.Tensor:
+        """Ordinals of the references among the first n tokens."""
+        self._extend(n)
+        return torch.tensor([p for p in self._positions if p < n], dtype=torch.long)
+
+    def is_ref(self, start: int, end: int) -> torch.Tensor:
+        """Boolean mask over ordinals [start, end)."""
+        mask = torch.zeros(max(end - start, 0), dtype=torch.bool)
+        refs = self.ref_ordinals(end)
+        refs = refs[refs >= start]
+        mask[refs - start] = True
+        return mask
+
+    def count(self, n: int) -> int:
+        return int(self.ref_ordinals(n).numel())
+
+    def formula_count(self, n: int) -> float:
+        """The seed's closed form for the non-sink references among n tokens (plus the sinks)."""
+        t = max(n - self.n_sink, 0)
+        sinks = min(n, self.n_sink)
+        if self.alpha == 0.0:
+            return sinks + t / self.stride
+        return sinks + math.log1p(self.alpha * t / self.stride) / math.log1p(self.alpha)

@@ -1,0 +1,175 @@
+"""The ResidualKV cache inside `model.generate`: exactness, batching, real bytes, accounting."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from residualkv import accounting
+from residualkv.cache import ResidualKVCache, ResidualLayer
+from residualkv.codec import CodecError, ResidualCodec
+from residualkv.config import ResidualKVConfig
+from residualkv.methods import build_cache
+from transformers import LlamaForCausalLM
+
+from .conftest import tiny_llama_config
+
+
+def _greedy(model, ids, cache=None, mask=None, n=10):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                              max_new_tokens=n, do_sample=False, cache=cache)
+
+
+def _codec(model, cfg, kind="swiglu", seed=0):
+    return ResidualCodec.for_model(model.config, cfg, d_c=32, d_ff=48, kind=kind, seed=seed)
+
+
+def test_stride_one_fp16_refs_reproduce_full_cache(tiny_model):
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    cfg = ResidualKVConfig(full_attention_layers=(), stride=1, n_sink=2, ref_format="fp16")
+    cache = ResidualKVCache.from_model(tiny_model, _codec(tiny_model, cfg), cfg)
+    out = _greedy(tiny_model, ids, cache, n=12)
+    assert torch.equal(out, _greedy(tiny_model, ids, n=12))
+    assert cache.get_seq_length() == 40 + 12 - 1  # the last sampled token is never fed back
+
+
+def test_stride_one_fp16_refs_reproduce_full_cache_smollm2(smollm2):
+    model, tok, _ = smollm2
+    ids = tok("The three primary colours are", return_tensors="pt").input_ids
+    cfg = ResidualKVConfig(full_attention_layers=(), stride=1, n_sink=8, ref_format="fp16")
+    cache = ResidualKVCache.from_model(model, _codec(model, cfg, kind="identity"), cfg)
+    assert torch.equal(_greedy(model, ids, cache, n=16), _greedy(model, ids, n=16))
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "identity"])
+def test_left_padded_batch_equals_single_runs(tiny_model, kind):
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(1, 128, (1, 45), generator=g), torch.randint(1, 128, (1, 31), generator=g)
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
+    codec = _codec(tiny_model, cfg, kind)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 14, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 45), torch.cat([torch.zeros(1, 14), torch.ones(1, 31)], 1)]).long()
+    both = _greedy(tiny_model, batch, ResidualKVCache.from_model(tiny_model, codec, cfg), mask, n=40)
+    one = _greedy(tiny_model, a, ResidualKVCache.from_model(tiny_model, codec, cfg), n=40)
+    two = _greedy(tiny_model, b, ResidualKVCache.from_model(tiny_model, codec, cfg), n=40)
+    assert both[0, 45:].tolist() == one[0, 45:].tolist()
+    assert both[1, 45:].tolist() == two[0, 31:].tolist()
+
+
+def test_left_padded_batch_equals_single_runs_smollm2(smollm2):
+    model, tok, _ = smollm2
+    prompts = ["Water boils at a temperature of", "Paris is the capital of"]
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    cfg = ResidualKVConfig(full_attention_layers=(0, 1, 2, 8, 17), stride=10, n_sink=8)
+    codec = ResidualCodec.for_model(model.config, cfg, d_c=96, d_ff=64, kind="identity")
+    both = _greedy(model, enc.input_ids, ResidualKVCache.from_model(model, codec, cfg), enc.attention_mask, n=12)
+    for i, p in enumerate(prompts):
+        ids = tok(p, return_tensors="pt").input_ids
+        alone = _greedy(model, ids, ResidualKVCache.from_model(model, codec, cfg), n=12)
+        assert both[i, enc.input_ids.shape[1]:].tolist() == alone[0, ids.shape[1]:].tolist()
+
+
+def test_every_token_is_stored_compressed_while_decoding(tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(1,), stride=3, n_sink=2, full_window=32)
+    cache = ResidualKVCache.from_model(tiny_model, _codec(tiny_model, cfg), cfg)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    _greedy(tiny_model, ids, cache, n=25)
+    n = 20 + 25 - 1
+    assert cache.get_seq_length() == n
+    for layer in cache.layers:
+        store = layer.stores[0]
+        assert store.n == n
+        if isinstance(layer, ResidualLayer):
+            n_refs = cache.rows.schedule.count(n)
+            assert store.refs.shape[:2] == (2, n_refs) and store.refs.dtype == torch.uint8
+            assert store.codes.codes.shape[:2] == (2, n - n_refs) and store.codes.codes.dtype == torch.uint8
+            assert store.ref_idx.shape == (2, n - n_refs, cfg.k) and store.ref_idx.dtype == torch.int16
+        else:
+            assert store.kq.codes.dtype == torch.uint8 and store.win_k.shape[2] == n % 32
+
+
+def test_write_returns_exactly_what_reads_decode(tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(), stride=5, n_sink=3)
+    cache = ResidualKVCache.from_model(tiny_model, _codec(tiny_model, cfg), cfg)
+    layer = cache.layers[2]
+    store = layer._new_store()
+    kv = torch.randn(2, 37, 64)
+    first = store.write(kv[:, :30])
+    second = store.write(kv[:, 30:])
+    torch.testing.assert_close(store.read(), torch.cat([first, second], 1), rtol=0, atol=0)
+
+
+def test_codec_gets_gradients_through_the_cache(tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
+    codec = _codec(tiny_model, cfg)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(4))
+    out = tiny_model(input_ids=ids, cache=ResidualKVCache.from_model(tiny_model, codec, cfg), use_cache=True)
+    out.logits.sum().backward()
+    grads = [p.grad for p in codec.parameters()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    codec.zero_grad()
+
+
+def test_accounting_explains_every_byte():
+    # head_dim 32 = one value group per head, as the formula assumes (a smaller head would mean
+    # smaller value groups and more min/scale bytes than q_b counts)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(head_dim=32, num_attention_heads=2, num_key_value_heads=1)).eval()
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=10, n_sink=8)
+    cache = ResidualKVCache.from_model(model, _codec(model, cfg), cfg)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    rep = accounting.report(cache)
+    assert rep["total_bytes"] == sum(rep["bytes"].values())
+    assert rep["fp16_bytes"] == 300 * 4 * 2 * 1 * 32 * 2
+    assert abs(rep["unexplained"]) < 1e-9
+    assert rep["cr"] == 1.0
+    json.dumps(rep)
+
+
+def test_codec_save_load_and_refusals(tmp_path, tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(0,))
+    codec = _codec(tiny_model, cfg)
+    path = codec.save(tmp_path / "c")
+    loaded = ResidualCodec.load(path, model_config=tiny_model.config)
+    for (k, v), (k2, v2) in zip(codec.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    other = tiny_llama_config(rope_theta=1234.0, rope_parameters={"rope_theta": 1234.0, "rope_type": "default"})
+    with pytest.raises(CodecError, match="does not fit"):
+        ResidualCodec.load(path, model_config=other)
+    raw = bytearray((path / "codec.safetensors").read_bytes())
+    raw[-5] ^= 0xFF
+    (path / "codec.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(CodecError, match="corrupted"):
+        ResidualCodec.load(path)
+
+
+def test_methods_registry_builds_every_codec_free_method(tiny_model):
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(6))
+    base = ResidualKVConfig(full_attention_layers=(0,))
+    for name, expect in [("full", 1.0), ("kivi4", None), ("kivi2", None), ("residualkv-dagger", None)]:
+        cache = build_cache(name, tiny_model, None, base)
+        _greedy(tiny_model, ids, cache, n=3)
+        rep = accounting.report(cache)
+        assert 0 < rep["kr_measured"] <= 1.0
+    with pytest.raises(ValueError, match="needs a trained codec"):
+        build_cache("residualkv", tiny_model, None, base)
+
+
+def test_rkv_accounting_json_contract_smollm2_4096(smollm2):
+    out = subprocess.run([sys.executable, "-m", "residualkv.cli", "accounting", "--backbone", "smollm2-135m",
+                          "--method", "residualkv", "--context-len", "4096", "--json"],
+                         capture_output=True, text=True, check=True)
+    rep = json.loads(out.stdout)
+    for key in ("kr_measured", "kr_formula", "cr", "bytes"):
+        assert key in rep
+    assert abs(rep["kr_measured"] - rep["kr_formula"]) <= 0.015, rep
+    assert rep["kr_measured"] <= 0.20 and rep["cr"] == 1.0
+    assert {"references", "latent_codes", "latent_mins_scales", "reference_indices",
+            "full_layer_codes", "full_layer_mins_scales", "full_layer_window_fp16", "positions"} <= set(rep["bytes"])
+    assert abs(rep["unexplained"]) < 1e-9

@@ -1,0 +1,173 @@
+"""The algorithm pieces against the seed's formulas: schedule, retrieval, Theorem IV.1, quantisation, RoPE."""
+
+import math
+
+import pytest
+import torch
+
+from residualkv.codec import LayerCodec
+from residualkv.config import CodecDims, ConfigError, ResidualKVConfig
+from residualkv.quant import dequantize, encode_ref, pack_bits, quant_error_bound, quantize, ref_roundtrip, unpack_bits
+from residualkv.retrieval import mean_of_refs, topk_refs
+from residualkv.rope import RopeTable, apply_rope, invert_rope
+from residualkv.schedule import ReferenceSchedule
+
+from .conftest import tiny_llama_config
+
+
+# ---- reference schedule (seed §2.6) ----
+
+@pytest.mark.parametrize("n", [10, 100, 4096, 262_144])
+def test_fixed_stride_count_matches_formula(n):
+    s = ReferenceSchedule(n_sink=8, stride=10)
+    assert abs(s.count(n) - s.formula_count(n)) < 1  # ceil vs exact division
+
+
+@pytest.mark.parametrize("alpha,s0", [(0.001, 10), (0.02, 10), (0.05, 4)])
+@pytest.mark.parametrize("n", [4096, 32_768, 262_144])
+def test_dynamic_stride_count_matches_formula(alpha, s0, n):
+    exact = ReferenceSchedule(n_sink=8, stride=s0, alpha=alpha).count(n)
+    # The closed form drops floor(). With it, each gap lies in (s0 - 1 + a(p - n_sink), s0 + a(p - n_sink)],
+    # so the exact count is bracketed by the formula at stride s0 and at stride s0 - 1 (plus one for the
+    # reference at p_0).
+    lo = ReferenceSchedule(n_sink=8, stride=s0, alpha=alpha).formula_count(n)
+    hi = ReferenceSchedule(n_sink=8, stride=s0 - 1, alpha=alpha).formula_count(n) + 1
+    assert lo - 1 <= exact <= hi, (lo, exact, hi)
+
+
+def test_schedule_recurrence_and_incremental():
+    s = ReferenceSchedule(n_sink=4, stride=5, alpha=0.1)
+    refs = s.ref_ordinals(200).tolist()
+    assert refs[:4] == [0, 1, 2, 3] and refs[4] == 4
+    for a, b in zip(refs[4:], refs[5:]):
+        assert b == a + 5 + math.floor(0.1 * (a - 4))
+    step = ReferenceSchedule(n_sink=4, stride=5, alpha=0.1)
+    mask = torch.cat([step.is_ref(i, i + 1) for i in range(200)])  # token by token, as in decoding
+    assert mask.nonzero().flatten().tolist() == refs
+
+
+def test_table_vi_reference_counts_order_of_magnitude():
+    # Table VI (Qwen2.5-7B, 262K tokens): alpha=0 -> 26,189 refs, alpha=0.001 -> 3,354, alpha=0.02 -> 319
+    n = 262_144
+    assert abs(ReferenceSchedule(0, 10, 0.0).count(n) - 26_189) / 26_189 < 0.01
+    assert abs(ReferenceSchedule(0, 10, 0.001).count(n) - 3_354) / 3_354 < 0.05
+    assert abs(ReferenceSchedule(0, 10, 0.02).count(n) - 319) / 319 < 0.1
+
+
+# ---- retrieval (seed §2.2) and Theorem IV.1 (§2.8) ----
+
+def test_retrieval_is_causal_and_uses_min_k():
+    torch.manual_seed(0)
+    refs = torch.randn(1, 6, 8)
+    q = torch.randn(1, 4, 8)
+    n_avail = torch.tensor([1, 2, 5, 6])
+    idx = topk_refs(q, refs, n_avail, k=4)
+    for t in range(4):
+        valid = idx[0, t][idx[0, t] >= 0]
+        assert len(valid) == min(4, int(n_avail[t]))
+        assert (valid < n_avail[t]).all()
+        d = ((refs[0, : n_avail[t]] - q[0, t]) ** 2).sum(-1)
+        assert set(valid.tolist()) == set(d.topk(len(valid), largest=False).indices.tolist())
+
+
+def test_theorem_iv1_decomposition():
+    torch.manual_seed(1)
+    refs = torch.randn(3, 50, 64)
+    q = torch.randn(3, 20, 64)
+    idx = topk_refs(q, refs, torch.full((20,), 50), k=4)
+    mean = mean_of_refs(refs, idx)
+    rows = torch.arange(3)[:, None, None]
+    chosen = refs[rows, idx]  # [B, T, k, d]
+    rho2 = ((q.unsqueeze(2) - chosen) ** 2).sum(-1).mean(-1)
+    delta2 = ((q - mean) ** 2).sum(-1)
+    v = ((chosen - mean.unsqueeze(2)) ** 2).sum(-1).mean(-1)
+    torch.testing.assert_close(rho2, delta2 + v, rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_encodes_then_subtracts():
+    torch.manual_seed(0)
+    codec = LayerCodec(CodecDims(d_kv=64, d_c=32, d_ff=48))
+    kv, ref = torch.randn(5, 64), torch.randn(5, 64)
+    z = codec.encode(kv, ref)
+    torch.testing.assert_close(z, codec.f_c(kv) - codec.f_c(ref))
+    assert not torch.allclose(z, codec.f_c(kv - ref), atol=1e-4)
+    assert codec.w_d.bias is None
+
+
+# ---- quantisation (seed §2.4, §2.8, §3.3) ----
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_roundtrip(bits):
+    q = torch.randint(0, 2**bits, (3, 7, 64), dtype=torch.uint8)
+    packed = pack_bits(q, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(unpack_bits(packed, bits), q)
+
+
+def _adversarial(d=96):
+    g = torch.linspace(0, 1, 32)
+    return torch.stack([
+        torch.randn(d) * 1e3,  # wide range
+        torch.randn(d) * 1e-4,  # tiny range
+        torch.full((d,), 3.3),  # constant groups
+        torch.cat([torch.zeros(d - 1), torch.tensor([500.0])]),  # one outlier
+        (g * 15 + 0.5 / 15).repeat(d // 32),  # every value at a half step (worst rounding)
+        torch.cat([torch.full((32,), -7.0), torch.randn(d - 32)]),  # mix of constant and random groups
+        torch.tensor([(-1.0) ** i * 1e4 for i in range(d)]),  # alternating extremes
+    ])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("kind", ["random", "adversarial"])
+def test_quantisation_error_bound(bits, kind):
+    torch.manual_seed(0)
+    z = torch.randn(256, 96) * torch.rand(256, 1) * 10 if kind == "random" else _adversarial()
+    p = quantize(z, bits, 32)
+    err = (dequantize(p, bits, 32) - z).norm(dim=-1)
+    tight, loose = quant_error_bound(z, bits, 32)
+    # FP16 storage of min/scale adds at most one FP16 ulp of the group's magnitude per coordinate
+    ulp = (z.abs().reshape(z.shape[0], -1, 32).amax(-1) * 2.0**-10).pow(2).mul(32).sum(-1).sqrt()
+    assert (err <= tight * (1 + 2.0**-9) + ulp).all()
+    assert (tight <= loose + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits,ratio", [(4, 0.3125), (2, 0.1875)])
+def test_packed_bytes_are_b_over_16_plus_2_over_32(bits, ratio):
+    z = torch.randn(1000, 96)
+    p = quantize(z, bits, 32)
+    assert p.codes.dtype == torch.uint8 and p.mins.dtype == torch.float16 and p.scales.dtype == torch.float16
+    assert p.nbytes() / (z.numel() * 2) == pytest.approx(ratio)
+
+
+def test_fp8_references_are_one_byte():
+    x = torch.randn(10, 384) * 100
+    stored = encode_ref(x, "fp8")
+    assert stored.dtype == torch.uint8 and stored.numel() == x.numel()
+    rt = ref_roundtrip(x, "fp8")
+    assert ((rt - x).abs() <= x.abs() * 2**-3 + 2**-9).all()  # e4m3: 3 mantissa bits
+    assert torch.isfinite(ref_roundtrip(torch.tensor([1e6, -1e6]), "fp8")).all()  # saturates, no NaN
+
+
+# ---- RoPE ----
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_unrotate_rerotate_exact(scaling):
+    params = {"rope_theta": 500000.0, "rope_type": "default"} if scaling is None else {"rope_theta": 500000.0, **scaling}
+    cfg = tiny_llama_config(rope_parameters=params)
+    table = RopeTable.from_config(cfg)
+    pos = torch.tensor([[0, 1, 7, 100, 900, 1000]])
+    cos, sin = table.cos_sin(pos, torch.float32)
+    k = torch.randn(1, 2, 6, 16)
+    rotated = apply_rope(k, cos, sin)
+    torch.testing.assert_close(invert_rope(rotated, cos, sin), k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(apply_rope(invert_rope(rotated, cos, sin), cos, sin), rotated, rtol=1e-6, atol=1e-6)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="bits=3"):
+        ResidualKVConfig(bits=3)
+    with pytest.raises(ConfigError, match="stride"):
+        ResidualKVConfig(stride=0)
+    with pytest.raises(ConfigError, match="full_attention_layers"):
+        ResidualKVConfig(full_attention_layers=(0, 40)).check_model(30)
