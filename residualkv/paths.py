@@ -1,0 +1,41 @@
+"""Where ResidualKV keeps what it downloads and produces (backbones, data, codecs, runs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def repo_root() -> Path | None:
+    """The source checkout holding this package, or None when it is installed as a plain package."""
+    root = _PACKAGE_DIR.parent
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+def data_dir() -> Path:
+    """`$RKV_DATA_DIR`, else `<checkout>/data`, else `~/.local/share/residualkv`; created on demand.
+
+    A checkout keeps its data beside the code, so deleting the clone removes everything it fetched.
+    """
+    env = os.environ.get("RKV_DATA_DIR")
+    if env:
+        path = Path(env).expanduser()
+    elif (root := repo_root()) is not None:
+        path = root / "data"
+    else:
+        path = Path.home() / ".local" / "share" / "residualkv"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def configs_dir() -> Path:
+    """The repository's `configs/` folder (backbone and pipeline YAMLs)."""
+    root = repo_root()
+    if root is None or not (root / "configs").is_dir():
+        raise FileNotFoundError(
+            f"no configs/ folder next to {_PACKAGE_DIR}: ResidualKV's YAML configs live in its source "
+            "checkout. Install it from a clone (`pip install -e .`) or pass the path of a YAML file."
+        )
+    return root / "configs"
