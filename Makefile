@@ -11,7 +11,7 @@ ALLOW_NO_TESTS ?=
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.rkv-installed
 
-.PHONY: setup run test clean
+.PHONY: setup run test clean gpu-bench gpu-bench-quick
 
 # The stamp makes a second `make setup` cost nothing; editing pyproject.toml reinstalls.
 $(STAMP): pyproject.toml
@@ -35,3 +35,12 @@ test: setup
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+# On a CUDA machine (make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 first):
+# writes benchmarks/results/gpu_<device>.{json,png}; commit them with the hardware named.
+gpu-bench: setup
+	$(VPY) benchmarks/gpu_bench.py
+
+# CPU smoke test of the GPU script (kernels interpreted, toy shapes; its figures mean nothing)
+gpu-bench-quick: setup
+	$(VPY) benchmarks/gpu_bench.py --quick --out /tmp/rkv-gpu-bench-quick

@@ -46,7 +46,9 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _round_fp16(x: torch.Tensor, direction: float) -> torch.Tensor:
-    """Round float32 to the neighbouring FP16 value in `direction` (-inf: down, +inf: up)."""
+    """Round float32 to the neighbouring FP16 value towards `direction` (-inf: down, +inf: up).
+
+    nextafter steps towards its second argument, so it must be ±inf, not ±1."""
     h = x.to(torch.float16)
     off = (h.float() < x) if direction > 0 else (h.float() > x)
     stepped = torch.nextafter(h.float(), torch.full_like(x, direction)).to(torch.float16)
@@ -61,8 +63,8 @@ def _grid(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.T
                          "choose sizes (latent d_c, head_dim) that are multiples of the group size")
     g = x.float().clamp(-FP16_MAX / 4, FP16_MAX / 4).reshape(*x.shape[:-1], -1, group)
     levels = (1 << bits) - 1
-    mn = _round_fp16(g.amin(dim=-1), -1.0)
-    scale = _round_fp16((g.amax(dim=-1) - mn.float()) / levels, 1.0)
+    mn = _round_fp16(g.amin(dim=-1), float("-inf"))
+    scale = _round_fp16((g.amax(dim=-1) - mn.float()) / levels, float("inf"))
     return g, mn, scale
 
 

@@ -1,3 +1,10 @@
+import os
+
+# Triton reads TRITON_INTERPRET when it is first imported, and transformers imports it: set it before
+# anything else so the kernel tests run on the CPU (the GPU benchmark sets RKV_KERNEL_TEST_DEVICE=cuda).
+if os.environ.get("RKV_KERNEL_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,374 @@
+"""Every Triton kernel against the torch reference the library uses on CPU.
+
+On a machine without a GPU the kernels run in Triton's CPU interpreter. TRITON_INTERPRET=1 has to be
+set before triton.language is first imported, and tests/conftest.py imports transformers, which
+imports triton: `make test` exports the variable, and this module sets it too (enough when nothing
+imported triton before it); where it came too late the CPU kernel tests skip with that reason.
+
+On a CUDA machine `RKV_KERNEL_TEST_DEVICE=cuda pytest tests/test_kernels.py` runs the same tests
+compiled, on the GPU (benchmarks/gpu_bench.py does that). Shapes stay tiny: the interpreter runs
+every program of the grid in Python.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEVICE = os.environ.get("RKV_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    # must precede the first import of triton.language (see above)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import _common  # noqa: E402
+from kernels.kivi_attention import kivi_decode_attention, kivi_decode_attention_reference  # noqa: E402
+from kernels.quant_pack import quantize_pack  # noqa: E402
+from kernels.reconstruct import (reconstruct_selected, reconstruct_selected_reference, rope_from_positions,  # noqa: E402
+                                 rope_params)
+from kernels.topk_l2 import topk_l2  # noqa: E402
+from residualkv import quant  # noqa: E402
+from residualkv.cache import KiviStore, ResidualStore  # noqa: E402
+from residualkv.codec import LayerCodec  # noqa: E402
+from residualkv.config import CodecDims, ResidualKVConfig  # noqa: E402
+from residualkv.quant import decode_ref, encode_ref  # noqa: E402
+from residualkv.retrieval import topk_refs  # noqa: E402
+from residualkv.rope import RopeTable, apply_rope  # noqa: E402
+from residualkv.schedule import ReferenceSchedule  # noqa: E402
+
+from .conftest import tiny_llama_config  # noqa: E402
+
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("RKV_KERNEL_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
+if DEVICE == "cpu" and not _common.interpreter_usable():
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by transformers, via conftest): "
+                "run `make test` or `TRITON_INTERPRET=1 pytest tests/test_kernels.py`", allow_module_level=True)
+DEV = torch.device(DEVICE)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(DEV)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (FP16 compared as raw bits, so -0.0 differs from +0.0)."""
+    if a.dtype == torch.float16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# quantise-and-pack
+
+
+def test_library_rounds_fp16_min_down_and_scale_up():
+    # -6.3457 lies between the FP16 values -6.3438 and -6.3477: a rounded-down minimum is the latter
+    probe = torch.full((1, 32), 2.0)
+    probe[0, 0] = -6.3457
+    assert quant.quantize(probe, 4, 32).mins.float().item() <= -6.3457
+
+
+def _latents(shape, seed, dtype=torch.float32):
+    z = _randn(*shape, seed=seed, scale=3.0)
+    flat = z.reshape(-1, shape[-1])
+    if shape[-1] >= 64 and flat.shape[0] >= 2:
+        flat[0, :32] = 1.5  # a constant group: scale 0, decodes to its min
+        flat[1, 32:64] = torch.tensor([0.0, -0.0] * 16)  # zeros of both signs
+    if flat.shape[0] >= 3 and shape[-1] >= 64:
+        flat[2, :32] = torch.linspace(-1e5, 1e5, 32)  # beyond the ±FP16_MAX/4 clamp
+        flat[2, 32:64] = torch.linspace(-3e-7, 5e-7, 32)  # FP16 subnormals
+    if flat.shape[0] >= 4 and shape[-1] >= 32:
+        flat[3, :32] = torch.arange(32.0) * 0.25 - 2.0  # min and max exactly representable in FP16
+    return flat.reshape(shape).to(dtype)
+
+
+QUANT_SHAPES = [(1, 32), (7, 64), (2, 33, 64), (3, 1, 128)]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("shape", QUANT_SHAPES)
+def test_quantize_pack_bit_exact(bits, shape):
+    """Kernel bytes == the library's quantize with its FP16 min/scale rounded down/up as documented."""
+    for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+        z = _latents(shape, seed=10 * bits + i, dtype=dtype)
+        # the expectation is computed on the CPU: the library's semantics, whatever device runs the kernel
+        got, want = quantize_pack(z, bits, 32, impl="triton"), quant.quantize(z.cpu(), bits, 32)
+        for name, a, b in zip(("codes", "mins", "scales"), got, want):
+            assert _same_bytes(a, b), f"{name} differ for bits={bits} shape={shape} dtype={dtype}"
+        # the promise behind the rounding: every coordinate is on the stored grid, within half a step
+        err = (quant.dequantize(got, bits, 32) - z.float().clamp(-16376, 16376)).abs()
+        half_step = got.scales.float().repeat_interleave(32, dim=-1) / 2
+        assert (err <= half_step + z.float().abs() * 2.0**-21 + 1e-30).all()  # + float32 rounding
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_pack_matches_library_as_is(bits):
+    z = _latents((2, 33, 64), seed=bits)
+    got, want = quantize_pack(z, bits, 32, impl="triton"), quant.quantize(z.cpu(), bits, 32)
+    assert all(_same_bytes(a, b) for a, b in zip(got, want))
+
+
+def test_quantize_pack_empty_and_dispatch():
+    z = torch.zeros(0, 64, device=DEV)
+    p = quantize_pack(z, 4, 32, impl="triton")
+    assert p.codes.shape == (0, 32) and p.mins.shape == (0, 2)
+    with pytest.raises(ValueError, match="impl"):
+        quantize_pack(z, 4, 32, impl="cuda")
+    if DEVICE == "cpu":  # auto never picks the kernel for CPU tensors
+        assert not _common.use_triton("auto", z)
+
+
+# ---------------------------------------------------------------------------------------------
+# L2 top-k retrieval
+
+
+def _assert_clear_gaps(q, refs_f, n_avail, k):
+    """The ranks the test compares are not within float rounding of each other (see the tie rule)."""
+    d = (refs_f.float().pow(2).sum(-1)[:, None, :] - 2 * q.float() @ refs_f.float().transpose(1, 2)).cpu()
+    for t, a in enumerate(n_avail.tolist()):
+        a = min(a, refs_f.shape[1])
+        if a >= 2:
+            srt = d[:, t, :a].sort(-1).values
+            upto = min(k + 1, a)
+            assert (srt[:, 1:upto] - srt[:, : upto - 1]).min() > 1e-3, "test data has a near tie; change the seed"
+
+
+TOPK_CASES = [  # B, T, R, d, k
+    (2, 1, 3, 64, 4),  # fewer references than k: -1 padding
+    (2, 7, 5, 64, 4),
+    (1, 33, 70, 96, 4),  # several reference tiles, d not a multiple of the d-block
+    (2, 17, 40, 32, 2),
+    (1, 5, 0, 64, 4),  # no references yet
+]
+
+
+@pytest.mark.parametrize("B,T,R,d,k", TOPK_CASES)
+@pytest.mark.parametrize("stored", ["fp8", "fp16", "decoded"])
+def test_topk_l2_matches_reference(B, T, R, d, k, stored):
+    q = _randn(B, T, d, seed=T + R)
+    raw = _randn(B, R, d, seed=R + 1, scale=2.0)
+    fmt = "fp16" if stored == "fp16" else "fp8"
+    refs = encode_ref(raw, fmt)
+    refs_f = decode_ref(refs, fmt)
+    # causal availability as the store computes it: non-decreasing, starting anywhere in [0, R]
+    n_avail = torch.randint(0, R + 1, (T,), generator=_gen(T)).sort().values.to(DEV)
+    _assert_clear_gaps(q, refs_f, n_avail, k)
+    arg, fmt_arg = (refs_f, None) if stored == "decoded" else (refs, fmt)
+    got = topk_l2(q, arg, n_avail, k, ref_format=fmt_arg, impl="triton", block_r=16)
+    want = topk_refs(q, refs_f, n_avail, k)
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("B,T,R,d,k", [(2, 1, 70, 64, 4), (1, 20, 45, 32, 4)])
+def test_topk_l2_split_references_merge(B, T, R, d, k):
+    """A decode step splits the references over several programs; the merged lists are the same."""
+    q = _randn(B, T, d, seed=R)
+    refs = encode_ref(_randn(B, R, d, seed=R + 2, scale=2.0), "fp8")
+    refs_f = decode_ref(refs, "fp8")
+    n_avail = torch.randint(0, R + 1, (T,), generator=_gen(R)).sort().values.to(DEV)
+    n_avail[-1] = R
+    _assert_clear_gaps(q, refs_f, n_avail, k)
+    want = topk_refs(q, refs_f, n_avail, k)
+    for splits in (3, 5):
+        got = topk_l2(q, refs, n_avail, k, ref_format="fp8", impl="triton", block_r=16, r_splits=splits)
+        assert torch.equal(got.cpu(), want.cpu()), splits
+
+
+def test_topk_l2_tie_rule_prefers_smaller_index():
+    # two identical references: equal distances, the kernel keeps index order
+    refs = encode_ref(torch.tensor([[[1.0] * 16, [3.0] * 16, [1.0] * 16, [-5.0] * 16]]), "fp8").to(DEV)
+    q = torch.full((1, 1, 16), 1.0, device=DEV)
+    for splits in (1, 2):  # also across splits: reference 2 lives in the second one
+        got = topk_l2(q, refs, torch.tensor([4], device=DEV), 3, ref_format="fp8", impl="triton", block_r=2,
+                      r_splits=splits)
+        assert got.tolist() == [[[0, 2, 1]]]
+
+
+# ---------------------------------------------------------------------------------------------
+# reconstruct-selected
+
+
+def _store_tensors(B, C, R, H, D, d_c, k, bits, ref_format, seed):
+    d_kv = 2 * H * D
+    codes = quant.quantize(_randn(B, C, d_c, seed=seed), bits, 32)
+    refs = encode_ref(_randn(B, R, d_kv, seed=seed + 1, scale=2.0), ref_format)
+    g = _gen(seed + 2)
+    ridx = torch.randint(-1, R, (B, C, k), generator=g)
+    ridx[..., 0] = torch.randint(0, R, (B, C), generator=g)  # every token has at least one reference
+    ridx[0, 0, :] = -1  # ... except one, whose mean is then zero (count clamped to 1, as the reference)
+    return codes, ridx.to(torch.int16).to(DEV), refs
+
+
+def _selection(B, C, n_sel, seed):
+    sel = torch.randint(0, C, (B, n_sel), generator=_gen(seed))
+    if n_sel >= 3 and B >= 2:
+        sel[1, -2:] = -1  # a ragged row: padding slots come back as zeros
+    return sel.to(DEV)
+
+
+def _close(a, b, tol):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if a.numel():
+        assert torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), (a.float() - b.float()).abs().max()
+
+
+RECON_CASES = [  # B, C, R, H, D, d_c, n_sel
+    (2, 9, 5, 2, 32, 64, 7),
+    (1, 4, 3, 2, 32, 64, 1),
+    (2, 40, 6, 1, 64, 32, 33),
+    (2, 9, 5, 2, 32, 64, 0),  # empty index set
+]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("B,C,R,H,D,d_c,n_sel", RECON_CASES)
+def test_reconstruct_selected_matches_reference(bits, B, C, R, H, D, d_c, n_sel):
+    codes, ridx, refs = _store_tensors(B, C, R, H, D, d_c, 4, bits, "fp8", seed=C + n_sel)
+    codec = LayerCodec(CodecDims(2 * H * D, d_c, 16)).to(DEV)
+    sel = _selection(B, C, n_sel, seed=n_sel)
+    cos, sin = _randn(B, n_sel, D, seed=1), _randn(B, n_sel, D, seed=2)
+    kw = dict(bits=bits, group=32, num_kv_heads=H)
+    got = reconstruct_selected(codes, ridx, refs, codec, sel, cos, sin, impl="triton", **kw)
+    want = reconstruct_selected_reference(codes, ridx, refs, codec, sel, cos, sin, **kw)
+    assert got[0].shape == (B, H, n_sel, D)
+    for a, b in zip(got, want):
+        _close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["bf16-weights-and-out", "identity-codec", "fp16-refs", "k2"])
+def test_reconstruct_selected_variants(variant):
+    B, C, R, H, D, d_c, n_sel, bits = 2, 12, 5, 2, 32, 64, 9, 4
+    identity = variant == "identity-codec"
+    fmt = "fp16" if variant == "fp16-refs" else "fp8"
+    k = 2 if variant == "k2" else 4
+    codes, ridx, refs = _store_tensors(B, C, R, H, D, 2 * H * D if identity else d_c, k, bits, fmt, seed=7)
+    codec = LayerCodec(CodecDims(2 * H * D, 2 * H * D if identity else d_c, 16, "identity" if identity else "swiglu"))
+    out_dtype, tol = torch.float32, 1e-5
+    if variant.startswith("bf16"):
+        codec, out_dtype, tol = codec.to(torch.bfloat16), torch.bfloat16, 3e-2
+    codec = codec.to(DEV)
+    sel = _selection(B, C, n_sel, seed=3)
+    cos, sin = _randn(1, n_sel, D, seed=1), _randn(1, n_sel, D, seed=2)  # broadcast over the batch
+    kw = dict(bits=bits, group=32, num_kv_heads=H, ref_format=fmt, out_dtype=out_dtype)
+    got = reconstruct_selected(codes, ridx, refs, codec, sel, cos, sin, impl="triton", **kw)
+    want = reconstruct_selected_reference(codes, ridx, refs, codec, sel, cos, sin, **kw)
+    for a, b in zip(got, want):
+        _close(a, b, tol)
+
+
+def test_reconstruct_selected_rope_from_positions_and_out_views():
+    """RoPE angles computed in the kernel from positions (the model's inv_freq, llama3 scaling), and
+    results written into slices of a preallocated [B, H, N, D] attention buffer."""
+    B, C, R, H, D, d_c, n_sel, bits = 2, 12, 5, 2, 32, 64, 9, 4
+    codes, ridx, refs = _store_tensors(B, C, R, H, D, d_c, 4, bits, "fp8", seed=11)
+    codec = LayerCodec(CodecDims(2 * H * D, d_c, 16)).to(DEV)
+    sel = _selection(B, C, n_sel, seed=4)
+    scaling = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = RopeTable.from_config(tiny_llama_config(head_dim=D, rope_parameters=scaling))
+    positions = torch.randint(0, 300_000, (1, n_sel), generator=_gen(0)).to(DEV)  # long contexts: big angles
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    inv_freq, scale = rope_params(rope)
+    assert torch.equal(torch.cat(rope_from_positions(positions, inv_freq, scale)), torch.cat((cos, sin)))
+    kw = dict(bits=bits, group=32, num_kv_heads=H)
+    want = reconstruct_selected_reference(codes, ridx, refs, codec, sel, cos, sin, **kw)
+    buf_k = torch.full((B, H, n_sel + 5, D), 7.0, device=DEV)
+    buf_v = buf_k.clone()
+    out = (buf_k[:, :, 3 : 3 + n_sel], buf_v[:, :, 3 : 3 + n_sel])
+    got = reconstruct_selected(codes, ridx, refs, codec, sel, positions=positions, inv_freq=inv_freq,
+                               rope_scale=scale, out=out, impl="triton", **kw)
+    assert got[0].data_ptr() == out[0].data_ptr()
+    _close(buf_k[:, :, 3 : 3 + n_sel], want[0], 2e-4)  # libdevice vs torch sin/cos of angles up to 3e5
+    _close(buf_v[:, :, 3 : 3 + n_sel], want[1], 1e-5)
+    assert (buf_k[:, :, :3] == 7).all() and (buf_k[:, :, 3 + n_sel :] == 7).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_reconstruct_selected_equals_what_the_store_reads(bits):
+    """End to end on real library state: a ResidualStore written by the library, re-read by the kernel."""
+    H, D, T = 2, 32, 45
+    cfg = ResidualKVConfig(stride=4, n_sink=2, bits=bits)
+    torch.manual_seed(0)
+    codec = LayerCodec(CodecDims(2 * H * D, 64, 48)).to(DEV)
+    store = ResidualStore(codec, cfg, ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha))
+    with torch.no_grad():
+        for chunk in (30, 1, 14):  # a prefill, then decode-sized writes
+            store.write(_randn(2, chunk, 2 * H * D, seed=chunk))
+        full = store.read()  # [B, T, 2·d_k] pre-RoPE
+    is_ref = store.schedule.is_ref(0, T)
+    code_pos = torch.nonzero(~is_ref).flatten()  # the position of every code ordinal
+    sel = torch.tensor([[0, 5, 3, len(code_pos) - 1], [2, 2, 7, 1]], device=DEV)  # repeats are fine
+    positions = code_pos.to(DEV)[sel]
+    rope = RopeTable.from_config(tiny_llama_config(head_dim=D, num_attention_heads=4, num_key_value_heads=H))
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    k, v = reconstruct_selected(store.codes, store.ref_idx, store.refs, codec, sel, cos, sin, bits=bits,
+                                group=32, num_kv_heads=H, impl="triton")
+    want = full[torch.arange(2, device=DEV)[:, None], positions]
+    want_k = apply_rope(want[..., : H * D].reshape(2, 4, H, D).transpose(1, 2), cos, sin)
+    want_v = want[..., H * D :].reshape(2, 4, H, D).transpose(1, 2)
+    _close(k, want_k, 1e-4)
+    _close(v, want_v, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# KIVI full-layer decode attention
+
+
+def _kivi_store(B, H, D, chunks, bits, seed):
+    st = KiviStore(ResidualKVConfig(full_bits=bits))
+    for i, c in enumerate(chunks):
+        st.write(_randn(B, H, c, D, seed=seed + i), _randn(B, H, c, D, seed=seed + 100 + i))
+    return st
+
+
+KIVI_CASES = [  # B, H, Hq, D, writes
+    (2, 2, 4, 32, [100]),  # 3 packed groups + a 4-token window, GQA 2
+    (1, 1, 1, 64, [1]),  # one token, window only
+    (2, 2, 2, 32, [7]),
+    (1, 2, 8, 32, [33, 1, 1, 30]),  # prefill then decode steps; GQA 4
+    (2, 1, 2, 32, [64]),  # whole groups, empty window
+]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("B,H,Hq,D,writes", KIVI_CASES)
+def test_kivi_decode_attention_matches_reference(bits, B, H, Hq, D, writes):
+    st = _kivi_store(B, H, D, writes, bits, seed=sum(writes))
+    q = _randn(B, Hq, 1, D, seed=5)
+    want = kivi_decode_attention_reference(q, st)
+    for n_splits in (None, 2):
+        _close(kivi_decode_attention(q, st, impl="triton", n_splits=n_splits), want, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kivi_decode_attention_half_precision(dtype):
+    st = _kivi_store(2, 2, 32, [70, 1], 4, seed=3)
+    q = _randn(2, 4, 1, 32, seed=6).to(dtype)
+    got = kivi_decode_attention(q, st, impl="triton", scale=0.1)
+    _close(got, kivi_decode_attention_reference(q, st, scale=0.1), 1e-2 if dtype == torch.float16 else 3e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels also compile for a real GPU (sm_90) - checked here without one
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter accepts code the compiler rejects: lower every kernel to an sm_90 cubin, in a
+    fresh process (compiling needs triton.language decorated *without* the interpreter)."""
+    if DEVICE != "cpu":
+        pytest.skip("on a GPU the tests above already ran compiled")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated to silence its warning
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "kernels._compile_check", "--arch", "90", "--quick"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("ok  ") == 5, run.stdout  # quant_pack, topk_l2, reconstruct, kivi + merge
