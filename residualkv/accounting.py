@@ -5,7 +5,10 @@ Formula: KR = β q_full + (1-β)(ρ_ref·r_ref + q_b d_c / (2 d_k)), q_b = b/16 
 references (1 for FP16). The formula leaves out reference indices, sink tokens, the FP16 window of
 full layers and the per-row positions; `gap` attributes the difference to each of them, and
 `unexplained` is what is left (zero when every byte is accounted for).
-CR = history tokens that took part in attention / history tokens, averaged over layers.
+CR = history tokens that took part in attention / history tokens, averaged over layers, measured over
+decode steps (one new token per row; prefill attends densely in every mode) from what the attention
+path really read. With filter (full-attention) layers a fraction β of the layers, CR = β + (1-β)·r,
+r = the sparse layers' measured fraction (seed §3.3); `cr_formula` puts the selection's nominal r there.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from transformers import DynamicCache
 
-from .cache import KiviLayer, ResidualKVCache, ResidualLayer
+from .cache import KiviLayer, OmniKVCache, ResidualKVCache, ResidualLayer
 
 
 def q_bits(bits: int, group: int) -> float:
@@ -30,11 +33,90 @@ def kr_formula(beta: float, rho_ref: float, bits: int, d_c: int, d_kv: int, *, f
 
 def report(cache) -> dict[str, Any]:
     """JSON-ready accounting of a filled cache."""
+    from .snapkv import SnapKVCache, snapkv_report
+
+    if isinstance(cache, SnapKVCache):
+        return snapkv_report(cache)
     if isinstance(cache, DynamicCache):
         return _report_dynamic(cache)
+    if isinstance(cache, OmniKVCache):
+        return _report_omnikv(cache)
     if not isinstance(cache, ResidualKVCache):
         raise TypeError(f"no accounting for {type(cache).__name__}")
     return _report_residual(cache)
+
+
+def _nominal_read(cfg, n: int) -> int:
+    """History tokens the selection is meant to read for a row with n history tokens."""
+    if cfg.mode != "omnikv":
+        return n
+    from .attention import token_budget
+
+    forced = min(n, cfg.n_sink + cfg.n_recent)
+    return min(n, forced + token_budget(cfg, n))
+
+
+def _sparse_report(cache) -> dict[str, Any]:
+    """CR and what the attention path read, per layer and per decode step (see module docstring)."""
+    cfg, layers = cache.config, cache.layers
+    n_layers = len(layers)
+    filters = set(cfg.full_attention_layers)
+    per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in layers]
+    sparse_ids = [i for i in range(n_layers) if i not in filters]
+    beta = len(filters) / n_layers
+    r = sum(per_layer[i] for i in sparse_ids) / len(sparse_ids) if sparse_ids else 1.0
+    steps = min((len(layer.decode_log) for layer in layers), default=0)
+    # nominal r: what the selection should read given each step's history. Layers before the first
+    # choosing filter layer read everything (nothing has been chosen yet in that step).
+    first_chooser = min((i for i in filters if i + 1 < n_layers and i + 1 not in filters), default=n_layers)
+    rows = cache.rows
+    hist = nominal = 0
+    for t in range(steps):
+        for g in rows.groups:
+            h_row = max(rows.n_slots - (steps - t) - g.start, 0)
+            hist += int(g.rows.numel()) * h_row
+            nominal += int(g.rows.numel()) * _nominal_read(cfg, h_row)
+    r_sel = nominal / hist if hist else 1.0
+    r_nominal = (sum(r_sel if i > first_chooser else 1.0 for i in sparse_ids) / len(sparse_ids)) if sparse_ids else 1.0
+    if cfg.mode == "snapkv":  # survivors are chosen once, from the prompt: no per-step nominal
+        r_nominal = r
+    per_step_rec = [sum(layer.decode_log[t][2] + layer.decode_log[t][3] for layer in layers) for t in range(steps)]
+    per_step_att = [sum(layer.decode_log[t][1] for layer in layers) for t in range(steps)]
+    per_step_hist = [sum(layer.decode_log[t][0] for layer in layers) for t in range(steps)]
+    rec_layer = {str(i): {"history": sum(e[0] for e in layer.decode_log[:steps]) / steps,
+                          "attended": sum(e[1] for e in layer.decode_log[:steps]) / steps,
+                          "codes_decoded": sum(e[2] for e in layer.decode_log[:steps]) / steps,
+                          "refs_read": sum(e[3] for e in layer.decode_log[:steps]) / steps}
+                 for i, layer in enumerate(layers)} if steps else {}
+    evicted = getattr(cache.sparse, "evicted", {}) if getattr(cache, "sparse", None) is not None else {}
+    return {
+        "mode": cfg.mode,
+        "cr": sum(per_layer) / n_layers,
+        "cr_per_layer": per_layer,
+        "cr_formula": beta + (1 - beta) * r_nominal,
+        "cr_scope": "decode steps (one new token per row); prefill attends densely",
+        "cr_inputs": {"beta": beta, "r_measured": r, "r_nominal": r_nominal, "filter_layers": sorted(filters),
+                      "select_budget": cfg.select_budget, "select_ratio": cfg.select_ratio,
+                      "n_sink": cfg.n_sink, "n_recent": cfg.n_recent},
+        "decode_steps": steps,
+        "history_tokens_per_step": per_step_hist,
+        "tokens_attended_per_step": per_step_att,
+        "tokens_reconstructed_per_step": per_step_rec,
+        "reconstruction_per_layer_per_step": rec_layer,
+        "evicted_tokens": sum(c["evicted_refs"] + c["evicted_codes"] for c in evicted.values()),
+        "eviction": {"irreversible": bool(evicted), "per_layer": {str(k): v for k, v in sorted(evicted.items())},
+                     "note": "SnapKV eviction: evicted tokens are gone for good; kept references that only serve "
+                             "the surviving codes are 'hidden_refs' (stored, not attended)"} if cfg.mode == "snapkv" else None,
+    }
+
+
+def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
+    comp = cache.nbytes()
+    fp16 = cache.fp16_bytes()
+    kv = comp.get("kv_fp16", 0)
+    return {"kr_measured": kv / fp16 if fp16 else 1.0, "kr_formula": 1.0, "bytes": comp, "total_bytes": sum(comp.values()),
+            "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
+            **_sparse_report(cache)}
 
 
 def _report_dynamic(cache: DynamicCache) -> dict[str, Any]:
@@ -73,18 +155,25 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
         n_res = n_layers - n_full
         if n_res:
             ref_ratio = 0.5 if cfg.ref_format == "fp8" else 1.0
-            actual_refs = comp.get("references", 0) / (d_kv * (1 if cfg.ref_format == "fp8" else 2))
+            kept_refs = comp.get("references", 0) / (d_kv * (1 if cfg.ref_format == "fp8" else 2))
+            stores = [s for layer in cache.layers if isinstance(layer, ResidualLayer) for s in layer.stores]
+            ev_refs = sum(s.evicted_refs for s in stores)
+            ev_codes = sum(s.evicted_codes for s in stores)
+            actual_refs = kept_refs + ev_refs  # what the schedule made, before any SnapKV eviction
             valid = cache.rows.valid_tokens() * n_res
+            q_code = q_bits(cfg.bits, cfg.group_size) * d_c / d_kv
             gap["sinks_and_schedule_rounding"] = (actual_refs - rho_nominal * valid) / valid * ref_ratio * (1 - beta) if valid else 0.0
             # reference tokens carry no latent code, the formula charges one to every token
-            gap["refs_have_no_code"] = -(actual_refs / valid) * q_bits(cfg.bits, cfg.group_size) * d_c / d_kv * (1 - beta) if valid else 0.0
+            gap["refs_have_no_code"] = -(actual_refs / valid) * q_code * (1 - beta) if valid else 0.0
+            if ev_refs or ev_codes or "eviction_ordinals" in comp:  # SnapKV: freed tokens, and the kept ordinals
+                gap["snapkv_evicted_references"] = -(ev_refs / valid) * ref_ratio * (1 - beta) if valid else 0.0
+                gap["snapkv_evicted_codes"] = -(ev_codes / valid) * q_code * (1 - beta) if valid else 0.0
+                gap["snapkv_kept_ordinals"] = comp.get("eviction_ordinals", 0) / fp16
     unexplained = kr - formula - sum(gap.values())
-    per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in cache.layers]
     return {
         "kr_measured": kr,
         "kr_formula": formula,
-        "cr": sum(per_layer) / len(per_layer),
-        "cr_per_layer": per_layer,
+        **_sparse_report(cache),
         "bytes": comp,
         "total_bytes": total,
         "fp16_bytes": fp16,

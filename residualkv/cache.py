@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codec import CodecError, LayerCodec, ResidualCodec, model_shape
@@ -79,6 +80,17 @@ def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int = 1) -> torch.Ten
     return new if old is None else torch.cat([old, new], dim=dim)
 
 
+def _mean_refs(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """retrieval.mean_of_refs over one flat table [M, d] for idx [N, k] (-1 = unused) -> [N, d], without
+    materialising the [N, k, d] gather (embedding_bag sums the k rows in the same order: same bits,
+    ~10x faster on CPU)."""
+    M = table.shape[0]
+    valid = idx >= 0
+    padded = torch.cat([table, table.new_zeros(1, table.shape[1])])
+    s = F.embedding_bag(torch.where(valid, idx, M), padded, mode="sum", padding_idx=M)
+    return s / valid.to(table.dtype).sum(-1, keepdim=True).clamp(min=1)
+
+
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -92,6 +104,18 @@ class ResidualStore:
         self.refs: torch.Tensor | None = None  # [B, R, d] uint8 (fp8 bytes) or fp16
         self.codes: Packed | None = None  # fields [B, C, ...]
         self.ref_idx: torch.Tensor | None = None  # [B, C, k] int16 (int32 past 32767 refs), -1 = unused
+        # After a SnapKV eviction (`evict`, one row per store) the kept tokens are no longer every
+        # ordinal: their ordinals are listed, and references kept only because codes need them are
+        # hidden from attention. None = the dense layout (ordinal i is token i, refs from the schedule).
+        self.ref_ord: torch.Tensor | None = None  # [R] int32 ordinals of the kept references
+        self.code_ord: torch.Tensor | None = None  # [C] int32 ordinals of the kept codes
+        self.ref_visible: torch.Tensor | None = None  # [R] bool: the reference takes part in attention
+        self.evicted_refs = 0
+        self.evicted_codes = 0
+        # instrumentation (what reads really reconstructed): latent codes decoded, references read
+        self.codes_decoded = 0
+        self.refs_decoded = 0
+        self._layout: tuple | None = None  # cached (n, is_ref [n], ref ordinals [R]) of the schedule
 
     @property
     def n_refs(self) -> int:
@@ -136,33 +160,204 @@ class ResidualStore:
             if self.ref_idx is not None and self.ref_idx.dtype != idx_dtype:
                 self.ref_idx = self.ref_idx.to(idx_dtype)
             self.ref_idx = _cat(self.ref_idx, idx.to(idx_dtype))
+        if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
+            new_ord = torch.arange(self.n, self.n + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
+            m = is_ref.to(new_ord.device)
+            self.ref_ord = torch.cat([self.ref_ord, new_ord[m]])
+            self.ref_visible = torch.cat([self.ref_visible, m.new_ones(int(m.sum()))])
+            self.code_ord = torch.cat([self.code_ord, new_ord[~m]])
         self.n += T
         return out
 
     def read(self) -> torch.Tensor:
-        """Reconstruct every stored token: [B, n, 2·d_k] float32."""
+        """Reconstruct every stored token: [B, n, 2·d_k] float32 (after an eviction: every visible one)."""
         cfg = self.cfg
+        if self.ref_ord is not None:
+            return self.read_selected(self.visible_ordinals())
         refs = self.decoded_refs()
         if refs is None:
             return torch.empty(0)
         B, _, d = refs.shape
+        self.refs_decoded += refs.shape[0] * refs.shape[1]
+        self.codes_decoded += 0 if self.codes is None else self.codes.codes.shape[0] * self.codes.codes.shape[1]
         out = refs.new_empty(B, self.n, d)
         is_ref = self.schedule.is_ref(0, self.n).to(refs.device)
         out[:, is_ref] = refs
         if self.codes is not None:
-            mean = mean_of_refs(refs, self.ref_idx.long())
+            idx = self.ref_idx.long()
+            C, R = idx.shape[1], refs.shape[1]
+            flat = torch.where(idx >= 0, idx + (torch.arange(B, device=idx.device) * R)[:, None, None], -1)
+            mean = _mean_refs(refs.reshape(B * R, d), flat.reshape(B * C, -1)).reshape(B, C, d)
             z = dequantize(self.codes, cfg.bits, cfg.group_size)
             out[:, ~is_ref] = self.codec.decode(z).float() + mean
         return out
 
+    # ---- selective reads (OmniKV) and eviction (SnapKV), seed §2.7 ----
+
+    def _schedule_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(is_ref [n] bool, reference ordinals [R] long) of the schedule over this store's n ordinals."""
+        if self._layout is None or self._layout[0] != self.n or self._layout[1].device != device:
+            self._layout = (self.n, self.schedule.is_ref(0, self.n).to(device), self.schedule.ref_ordinals(self.n).to(device))
+        return self._layout[1], self._layout[2]
+
+    def _locate(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes)."""
+        is_ref_of, sched_refs = self._schedule_layout(ordinals.device)
+        if bool(((ordinals < 0) | (ordinals >= self.n)).any()):
+            raise IndexError(f"ordinals must lie in [0, {self.n})")
+        is_ref = is_ref_of[ordinals]
+        if self.ref_ord is None:
+            ridx = torch.searchsorted(sched_refs, ordinals)
+            cidx = ordinals - ridx  # a code's index = its ordinal minus the references before it
+        else:
+            ref_ord, code_ord = self.ref_ord.long(), self.code_ord.long()
+            ridx = torch.searchsorted(ref_ord, ordinals).clamp(max=max(len(ref_ord) - 1, 0))
+            cidx = torch.searchsorted(code_ord, ordinals).clamp(max=max(len(code_ord) - 1, 0))
+            found = torch.where(is_ref, ref_ord[ridx] if len(ref_ord) else ordinals + 1,
+                                code_ord[cidx] if len(code_ord) else ordinals + 1) == ordinals
+            if not bool(found.all()):
+                raise IndexError("asked for a token that SnapKV evicted: eviction is irreversible")
+        return is_ref, torch.where(is_ref, ridx, cidx)
+
+    def read_selected(self, ordinals: torch.Tensor) -> torch.Tensor:
+        """Reconstruct only the tokens at `ordinals` [B, S] (each row its own ordinals): selected
+        references are read as references; selected codes are dequantised and decoded, and only the
+        references their means need are read (each needed reference once). Returns [B, S, 2·d_k]
+        float32, equal to the same columns of `read()`."""
+        cfg = self.cfg
+        B, S = ordinals.shape
+        if self.refs is None or S == 0:
+            d = self.refs.shape[-1] if self.refs is not None else self.codec.dims.d_kv
+            return torch.zeros(B, S, d)
+        dev = self.refs.device
+        ordinals = ordinals.to(device=dev, dtype=torch.long)
+        is_ref, pos = self._locate(ordinals)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, S)
+        rb, rp = rows[is_ref], pos[is_ref]
+        cb, cp = rows[~is_ref], pos[~is_ref]
+        # which references are read: the selected ones and those the selected codes average
+        R = self.n_refs
+        need = torch.zeros(B, R, dtype=torch.bool, device=dev)
+        need[rb, rp] = True
+        if cb.numel():
+            idx = self.ref_idx[cb, cp].long()  # [N, k], -1 = unused
+            ok = idx >= 0
+            need[cb[:, None].expand_as(idx)[ok], idx[ok]] = True
+        nb, nr = need.nonzero(as_tuple=True)
+        table = decode_ref(self.refs[nb, nr], cfg.ref_format)  # [M, d]: the only references decoded
+        slot = torch.full((B, R), -1, dtype=torch.long, device=dev)
+        slot[nb, nr] = torch.arange(nb.numel(), device=dev)
+        self.refs_decoded += int(nb.numel())
+        out = table.new_empty(B, S, table.shape[-1])
+        out[is_ref] = table[slot[rb, rp]]
+        if cb.numel():
+            mean_idx = torch.where(ok, slot[cb[:, None].expand_as(idx), idx.clamp(min=0)], -1)
+            mean = _mean_refs(table, mean_idx)
+            c = self.codes
+            z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
+            out[~is_ref] = self.codec.decode(z).float() + mean
+            self.codes_decoded += int(cb.numel())
+        return out
+
+    def visible_ordinals(self) -> torch.Tensor:
+        """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
+        if self.ref_ord is None:
+            B = self.refs.shape[0] if self.refs is not None else 1
+            return torch.arange(self.n, device=self.refs.device if self.refs is not None else None).expand(B, self.n)
+        vis = torch.cat([self.ref_ord[self.ref_visible], self.code_ord]).long()
+        return vis.sort().values[None]
+
+    def split_rows(self) -> list["ResidualStore"]:
+        """One store per batch row (eviction keeps different tokens in different rows)."""
+        out = []
+        for b in range(self.refs.shape[0]):
+            s = ResidualStore(self.codec, self.cfg, self.schedule)
+            s.n = self.n
+            s.refs = self.refs[b : b + 1].clone()
+            if self.codes is not None:
+                s.codes = Packed(*(t[b : b + 1].clone() for t in self.codes))
+                s.ref_idx = self.ref_idx[b : b + 1].clone()
+            for name in ("ref_ord", "code_ord", "ref_visible"):
+                setattr(s, name, getattr(self, name))
+            out.append(s)
+        return out
+
+    def evict(self, keep: torch.Tensor) -> dict[str, int]:
+        """SnapKV eviction of a one-row store (seed §2.7): keep the tokens at ordinals `keep` and the
+        references their codes need (kept, hidden from attention); free everything else. Irreversible."""
+        if self.refs is None or self.refs.shape[0] != 1:
+            raise ValueError("evict() works on one row: split a batch store with split_rows() first")
+        if self.ref_ord is not None:
+            raise ValueError("this store was already evicted once; SnapKV evicts once, after the prompt")
+        dev = self.refs.device
+        keep = torch.unique(keep.to(device=dev, dtype=torch.long))
+        is_ref, pos = self._locate(keep[None])
+        is_ref, pos = is_ref[0], pos[0]
+        _, sched_refs = self._schedule_layout(dev)
+        R = self.n_refs
+        C = 0 if self.codes is None else self.codes.codes.shape[1]
+        visible = torch.zeros(R, dtype=torch.bool, device=dev)
+        visible[pos[is_ref]] = True
+        kept_refs = visible.clone()
+        code_pos = pos[~is_ref]
+        if C:
+            idx = self.ref_idx[0, code_pos].long()
+            kept_refs[idx[idx >= 0]] = True
+            remap = torch.where(kept_refs, torch.cumsum(kept_refs.long(), 0) - 1, -1)
+            new_idx = torch.where(idx >= 0, remap[idx.clamp(min=0)], -1)
+            if bool((new_idx[idx >= 0] < 0).any()):  # cannot happen: every needed reference is kept
+                raise RuntimeError("eviction would leave a code pointing at an evicted reference")
+            self.codes = Packed(*(t[:, code_pos] for t in self.codes))
+            self.ref_idx = new_idx[None].to(self.ref_idx.dtype)
+        self.refs = self.refs[:, kept_refs]
+        self.ref_ord = sched_refs[kept_refs].to(torch.int32)
+        self.ref_visible = visible[kept_refs]
+        self.code_ord = keep[~is_ref].to(torch.int32)
+        self.evicted_refs = R - int(kept_refs.sum())
+        self.evicted_codes = C - int(code_pos.numel())
+        return {"evicted_refs": self.evicted_refs, "evicted_codes": self.evicted_codes,
+                "hidden_refs": int(kept_refs.sum() - visible.sum())}
+
     def nbytes(self) -> dict[str, int]:
         c = self.codes
-        return {
+        out = {
             "references": _nbytes(self.refs),
             "latent_codes": _nbytes(c.codes) if c else 0,
             "latent_mins_scales": _nbytes(c.mins, c.scales) if c else 0,
             "reference_indices": _nbytes(self.ref_idx),
         }
+        if self.ref_ord is not None:
+            out["eviction_ordinals"] = _nbytes(self.ref_ord, self.code_ord, self.ref_visible)
+        return out
+
+
+class _RowStores:
+    """One ResidualStore per row of a group, after SnapKV kept different tokens in each row. Every row
+    keeps the same number of visible tokens, so their reads stack into one batch."""
+
+    def __init__(self, stores: list[ResidualStore]):
+        self.stores = stores
+
+    n = property(lambda self: self.stores[0].n)
+    codes_decoded = property(lambda self: sum(s.codes_decoded for s in self.stores))
+    refs_decoded = property(lambda self: sum(s.refs_decoded for s in self.stores))
+    evicted_refs = property(lambda self: sum(s.evicted_refs for s in self.stores))
+    evicted_codes = property(lambda self: sum(s.evicted_codes for s in self.stores))
+
+    def write(self, kv: torch.Tensor) -> torch.Tensor:
+        return torch.cat([s.write(kv[i : i + 1]) for i, s in enumerate(self.stores)])
+
+    def read(self) -> torch.Tensor:
+        return torch.cat([s.read() for s in self.stores])
+
+    def read_selected(self, ordinals: torch.Tensor) -> torch.Tensor:
+        return torch.cat([s.read_selected(ordinals[i : i + 1]) for i, s in enumerate(self.stores)])
+
+    def visible_ordinals(self) -> torch.Tensor:
+        return torch.cat([s.visible_ordinals() for s in self.stores])
+
+    def nbytes(self) -> dict[str, int]:
+        return _sum_dicts(s.nbytes() for s in self.stores)
 
 
 class KiviStore:
@@ -230,8 +425,12 @@ class _GroupedLayer(CacheLayerMixin):
         super().__init__()
         self.n_slots = 0
         self.stores: list = []
-        self.tokens_read = 0  # history tokens that took part in attention, summed over steps (for CR)
+        # CR instrumentation, decode steps only (query length 1; prefill attends densely everywhere):
+        # history tokens that took part in attention / history tokens, summed over rows and steps
+        self.tokens_read = 0
         self.tokens_available = 0
+        # one (history, attended, codes decoded, references read) tuple per decode step, summed over rows
+        self.decode_log: list[tuple[int, int, int, int]] = []
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -249,6 +448,7 @@ class _GroupedLayer(CacheLayerMixin):
         self.is_initialized = True
         B, H, T, D = key_states.shape
         s0, s1 = self.n_slots, self.n_slots + T
+        before = self._decoded()
         outs = []
         for gi, grp in enumerate(rows.groups):
             if gi == len(self.stores):
@@ -259,8 +459,7 @@ class _GroupedLayer(CacheLayerMixin):
             k, v = self._write_and_read(self.stores[gi], key_states[sel, :, lo:], value_states[sel, :, lo:], pos)
             outs.append((grp, k, v))
         self.n_slots = s1
-        self.tokens_available += s1
-        self.tokens_read += max(k.shape[2] + grp.start for grp, k, _ in outs)
+        self._count(rows, s0, T, before, None)
         if len(outs) == 1 and outs[0][0].start == 0:
             return outs[0][1], outs[0][2]
         out_k = key_states.new_zeros(B, H, s1, D)
@@ -269,6 +468,65 @@ class _GroupedLayer(CacheLayerMixin):
             out_k[grp.rows, :, grp.start :] = k
             out_v[grp.rows, :, grp.start :] = v
         return out_k, out_v
+
+    def update_selected(self, key_states, value_states, rows: RowLayout, select: list[torch.Tensor | None]):
+        """Like `update`, but group g's history is read only at the ordinals select[g] ([rows of g, S_g],
+        sorted; None = all of it): the sparse path of seed §2.7. The new tokens are written as usual
+        and returned after the selected ones. Returns K, V [B, H, L, D] with L = max_g(S_g + new) and
+        `slots` [B, L]: the slot (column of the model's attention mask) each returned column holds,
+        -1 for padding columns, which the attention must mask."""
+        self.is_initialized = True
+        B, H, T, D = key_states.shape
+        s0, s1 = self.n_slots, self.n_slots + T
+        dev = key_states.device
+        before = self._decoded()
+        parts, read = [], 0
+        for gi, grp in enumerate(rows.groups):
+            if gi == len(self.stores):
+                self.stores.append(self._new_store())
+            lo = max(0, grp.start - s0)
+            sel = slice(None) if len(rows.groups) == 1 else grp.rows
+            n_rows, first_new = int(grp.rows.numel()), max(s0, grp.start)
+            ords = select[gi]
+            if ords is None:
+                hist = torch.arange(grp.start, first_new, device=dev).expand(n_rows, -1)
+            else:
+                hist = grp.start + ords.to(device=dev, dtype=torch.long)
+            pos_all = rows.positions[sel]
+            pos = torch.cat([pos_all.gather(1, hist), pos_all[:, first_new:s1]], dim=1)
+            k, v = self._write_and_read(self.stores[gi], key_states[sel, :, lo:], value_states[sel, :, lo:], pos,
+                                        ordinals=ords)
+            slots = torch.cat([hist, torch.arange(first_new, s1, device=dev).expand(n_rows, -1)], dim=1)
+            parts.append((grp, k, v, slots))
+            read += n_rows * hist.shape[1]
+        self.n_slots = s1
+        self._count(rows, s0, T, before, read)
+        if len(parts) == 1:
+            return parts[0][1], parts[0][2], parts[0][3]
+        L = max(k.shape[2] for _, k, _, _ in parts)
+        out_k = key_states.new_zeros(B, H, L, D)
+        out_v = value_states.new_zeros(B, H, L, value_states.shape[-1])
+        out_s = torch.full((B, L), -1, dtype=torch.long, device=dev)
+        for grp, k, v, slots in parts:
+            out_k[grp.rows, :, : k.shape[2]] = k
+            out_v[grp.rows, :, : k.shape[2]] = v
+            out_s[grp.rows, : k.shape[2]] = slots
+        return out_k, out_v, out_s
+
+    def _decoded(self) -> tuple[int, int]:
+        return (sum(getattr(s, "codes_decoded", 0) for s in self.stores),
+                sum(getattr(s, "refs_decoded", 0) for s in self.stores))
+
+    def _count(self, rows: RowLayout, s0: int, T: int, before: tuple[int, int], read: int | None) -> None:
+        """Record a decode step (one new token per row) for CR and the per-step reconstruction counts."""
+        if T != 1 or s0 == 0:
+            return
+        history = sum(int(g.rows.numel()) * max(s0 - g.start, 0) for g in rows.groups)
+        read = history if read is None else read
+        after = self._decoded()
+        self.tokens_available += history
+        self.tokens_read += read
+        self.decode_log.append((history, read, after[0] - before[0], after[1] - before[1]))
 
     def reset(self) -> None:
         _GroupedLayer.__init__(self)
@@ -296,9 +554,14 @@ class ResidualLayer(_GroupedLayer):
     def _new_store(self) -> ResidualStore:
         return ResidualStore(self.codec, self.cfg, self.schedule)
 
-    def _write_and_read(self, store: ResidualStore, k, v, pos):
+    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None):
+        """`pos` holds the RoPE positions of the returned tokens: the history read (all of it, or the
+        tokens at `ordinals` [B, S]) followed by the new tokens."""
         B, H, T, D = k.shape
-        history = store.read() if store.n else None
+        if ordinals is None:
+            history = store.read() if store.n else None
+        else:
+            history = store.read_selected(ordinals)
         n_new = T
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         k_pre = invert_rope(k.float(), cos[:, -n_new:], sin[:, -n_new:])
@@ -323,9 +586,17 @@ class KiviLayer(_GroupedLayer):
     def _new_store(self) -> KiviStore:
         return KiviStore(self.cfg)
 
-    def _write_and_read(self, store: KiviStore, k, v, pos):
+    def _write_and_read(self, store: KiviStore, k, v, pos, ordinals=None):
+        if ordinals is not None:
+            raise ValueError("full-attention (KIVI) layers always read their whole history")
         store.write(k, v)
-        return store.read(k.dtype)
+        hk, hv = store.read(k.dtype)
+        # the newest tokens' stored values, with a straight-through gradient so training sees the
+        # quantisation but still reaches earlier layers' codecs through these keys and values
+        T = k.shape[2]
+        hk = torch.cat([hk[:, :, :-T], k + (hk[:, :, -T:] - k).detach()], dim=2)
+        hv = torch.cat([hv[:, :, :-T], v + (hv[:, :, -T:] - v).detach()], dim=2)
+        return hk, hv
 
     def nbytes(self) -> dict[str, int]:
         return _sum_dicts(s.nbytes() for s in self.stores)
@@ -357,7 +628,11 @@ def _sum_dicts(dicts) -> dict[str, int]:
 class ResidualKVCache(Cache):
     """Drop-in `cache=` (or legacy `past_key_values=`) for `model.generate` (batch >= 1, left padding included).
 
-    Standalone mode: every history token is reconstructed for attention (CR = 100%).
+    `config.mode` chooses how compressed layers read their history (seed §2.7):
+    "standalone" reconstructs every history token (CR = 100%); "omnikv" reconstructs, at each decode
+    step, only the tokens the last full-attention (filter) layer chose; "snapkv" evicts compressed
+    layers' tokens once after the prompt. The two sparse modes need the model's attention to run
+    through `residualkv.attention` (`from_model` installs it; see attention.install).
     """
 
     def __init__(self, codec: ResidualCodec | None, config: ResidualKVConfig, *, num_layers: int,
@@ -383,6 +658,7 @@ class ResidualKVCache(Cache):
         layers = [KiviLayer(config) if i in config.full_attention_layers
                   else ResidualLayer(codec.layer(i), config, self.rows.schedule, rope) for i in range(num_layers)]
         super().__init__(layers=layers)
+        self.sparse = _controller(self)
 
     @classmethod
     def from_model(cls, model, codec: ResidualCodec | None, config: ResidualKVConfig | None = None, **changes):
@@ -396,13 +672,19 @@ class ResidualKVCache(Cache):
             codec.check_compatible(model.config)
             codec.to(model.device)
         n_layers, n_kv, head_dim = model_shape(model.config)
-        return cls(codec, config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
-                   rope=RopeTable.from_model(model))
+        cache = cls(codec, config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
+                    rope=RopeTable.from_model(model))
+        _install_if_sparse(model, config)
+        return cache
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if layer.n_slots == self.rows.n_slots:  # the first layer to see this step's tokens
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
+            if self.sparse is not None:
+                self.sparse.begin_step(key_states.shape[2])
+        if self.sparse is not None:  # omnikv / snapkv: residualkv.attention decides what each layer reads
+            return self.sparse.update(layer_idx, key_states, value_states)
         return layer.update(key_states, value_states, self.rows)
 
     def reset(self):
@@ -411,6 +693,35 @@ class ResidualKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, ResidualLayer):
                 layer.schedule = self.rows.schedule
+        self.sparse = _controller(self)
+
+    READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool")
+
+    def fork(self, **changes) -> "ResidualKVCache":
+        """An independent copy of the stored tokens that reads them under other read settings (`mode`
+        "standalone"/"omnikv", selection budget...): one prefill, several deployments side by side.
+        Bytes are copied; the codec and RoPE modules are shared. SnapKV evicts during the prompt, so
+        forking into or out of it is refused, as are changes to how tokens are stored."""
+        import copy
+
+        bad = set(changes) - set(self.READ_FIELDS)
+        if bad:
+            raise ValueError(f"fork() changes only read settings {self.READ_FIELDS}, not {sorted(bad)}")
+        cfg = self.config.replace(**changes)
+        if "snapkv" in (cfg.mode, self.config.mode):
+            raise ValueError("SnapKV eviction happens during the prompt: build a snapkv cache and prefill it")
+        memo = {id(m): m for m in (self.codec.modules() if self.codec is not None else [])}
+        for layer in self.layers:
+            if isinstance(layer, ResidualLayer):
+                memo[id(layer.rope)] = layer.rope
+        sparse, self.sparse = self.sparse, None
+        try:
+            new = copy.deepcopy(self, memo)
+        finally:
+            self.sparse = sparse
+        new.config = cfg
+        new.sparse = _controller(new)
+        return new
 
     def collect_rec_loss(self) -> list[torch.Tensor]:
         """Training hook for the seed's L_rec (§2.9). From now on every write to a compressed layer
@@ -431,6 +742,86 @@ class ResidualKVCache(Cache):
     def fp16_bytes(self) -> int:
         """Bytes an FP16 full cache would hold for the same real tokens."""
         return self.rows.valid_tokens() * len(self.layers) * 2 * self.num_kv_heads * self.head_dim * 2
+
+
+class DenseStore:
+    """Exact keys and values of one row group (the model's dtype; accounted as FP16): OmniKV's baseline."""
+
+    def __init__(self):
+        self.n = 0
+        self.k: torch.Tensor | None = None  # [B, H, n, D]
+        self.v: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = _cat(self.k, k.detach(), dim=2), _cat(self.v, v.detach(), dim=2)
+        self.n += k.shape[2]
+
+    def read_selected(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, _, D = self.k.shape
+        idx = ordinals.to(device=self.k.device, dtype=torch.long)[:, None, :, None]
+        return (self.k.gather(2, idx.expand(B, H, -1, D)), self.v.gather(2, idx.expand(B, H, -1, self.v.shape[-1])))
+
+    def nbytes(self) -> dict[str, int]:
+        return {"kv_fp16": 0 if self.k is None else (self.k.numel() + self.v.numel()) * 2}
+
+
+class DenseLayer(_GroupedLayer):
+    """An uncompressed layer in the row-group layout, so OmniKV selection works on it with batches."""
+
+    def _new_store(self) -> DenseStore:
+        return DenseStore()
+
+    def _write_and_read(self, store: DenseStore, k, v, pos, ordinals=None):
+        had = store.n
+        store.write(k, v)
+        if ordinals is None:
+            return store.k, store.v
+        if not had:
+            return k, v
+        hk, hv = store.read_selected(ordinals)
+        return torch.cat([hk, k], dim=2), torch.cat([hv, v], dim=2)
+
+    def nbytes(self) -> dict[str, int]:
+        return _sum_dicts(s.nbytes() for s in self.stores)
+
+
+class OmniKVCache(ResidualKVCache):
+    """OmniKV without compression (a baseline, KR = 100%): every layer keeps exact keys and values; with
+    mode "omnikv" the filter layers (config.full_attention_layers) choose, at each decode step, the
+    tokens the following layers attend over. Mode "standalone" makes it a plain full cache."""
+
+    def __init__(self, config: ResidualKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int):
+        config.check_model(num_layers)
+        if config.mode == "snapkv":
+            raise ValueError("OmniKVCache supports mode 'omnikv' (or 'standalone'); SnapKV eviction belongs to its own baseline")
+        self.config, self.codec = config, None
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.rows = RowLayout(ReferenceSchedule(config.n_sink, config.stride, config.stride_alpha))
+        Cache.__init__(self, layers=[DenseLayer() for _ in range(num_layers)])
+        self.sparse = _controller(self)
+
+    @classmethod
+    def from_model(cls, model, config: ResidualKVConfig | None = None, **changes):
+        config = (config or ResidualKVConfig(mode="omnikv")).replace(**changes)
+        n_layers, n_kv, head_dim = model_shape(model.config)
+        cache = cls(config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim)
+        _install_if_sparse(model, config)
+        return cache
+
+
+def _controller(cache):
+    if cache.config.mode == "standalone":
+        return None
+    from .attention import SparseController
+
+    return SparseController(cache)
+
+
+def _install_if_sparse(model, config: ResidualKVConfig) -> None:
+    if config.mode != "standalone":
+        from .attention import install
+
+        install(model)
 
 
 def _position_ids(args, kwargs) -> torch.Tensor | None:

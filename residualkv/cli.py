@@ -35,7 +35,9 @@ def codecs_dir(backbone: str) -> Path:
 def latest_codec_path(backbone: str) -> Path | None:
     """The most recently saved codec for a backbone under the data directory, if any."""
     root = codecs_dir(backbone)
-    found = sorted(root.glob("*/codec.json"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    # a training run saves <run>/codec/; a codec may also be copied in as <name>/
+    found = [*root.glob("*/codec/codec.json"), *root.glob("*/codec.json")] if root.is_dir() else []
+    found.sort(key=lambda p: p.stat().st_mtime)
     return found[-1].parent if found else None
 
 
@@ -84,10 +86,16 @@ def cmd_accounting(args) -> int:
     ids = context_ids(tok, args.context_len, args.batch)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(input_ids=ids, cache=cache, use_cache=True)
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        prefill_s = time.perf_counter() - t0
+        # prefill is dense in every mode: CR of a sparse mode shows only once tokens are decoded
+        for _ in range(args.decode_steps):
+            nxt = logits[:, -1:].argmax(-1)
+            logits = model(input_ids=nxt, cache=cache, use_cache=True).logits
     rep = accounting.report(cache)
     rep.update({"backbone": args.backbone, "method": args.method, "context_len": args.context_len,
-                "batch": args.batch, "codec": codec_note, "prefill_seconds": time.perf_counter() - t0})
+                "decode_steps": args.decode_steps, "batch": args.batch, "codec": codec_note,
+                "prefill_seconds": prefill_s, "decode_seconds": time.perf_counter() - t0 - prefill_s})
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
@@ -149,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--method", default="residualkv", choices=list(METHODS))
     a.add_argument("--context-len", type=int, default=4096)
     a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--decode-steps", type=int, default=8, help="greedy tokens decoded after the prefill (CR is measured on them)")
     a.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_accounting)
@@ -168,14 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.set_defaults(func=cmd_demo)
 
-    for module in ("residualkv.training.cli", "residualkv.evaluation.cli"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if not e.name or not module.startswith(e.name):
-                raise
-            continue
-        mod.register(sub)
+    from .evaluation.cli import register as register_eval
+    from .training.cli import register as register_train
+
+    register_train(sub)
+    register_eval(sub)
     return p
 
 

@@ -111,6 +111,7 @@ class ResidualCodec(nn.Module):
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; a saved codec is meant to be shared
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "residualkv-codec"})
         meta = self.meta() | {"weights_sha256": sha256_file(tmp / WEIGHTS)}

@@ -13,7 +13,7 @@ from typing import Any
 
 SUPPORTED_BITS = (2, 4, 8)
 REF_FORMATS = ("fp8", "fp16")
-MODES = ("standalone",)
+MODES = ("standalone", "omnikv", "snapkv")
 
 
 class ConfigError(ValueError):
@@ -39,8 +39,21 @@ class ResidualKVConfig:
     full_bits: int = 4
     full_group_size: int = 32
     full_window: int = 32
-    # how sparse layers read history
+    # how sparse layers read history (seed §2.7): "standalone" reconstructs every token (CR = 100%);
+    # "omnikv" lets the full-attention (filter) layers pick the tokens the following layers reconstruct
+    # at each decode step; "snapkv" evicts compressed layers' tokens once, after the prompt (irreversible)
     mode: str = "standalone"
+    # token selection, shared by "omnikv" (per decode step) and "snapkv" (survivors at eviction): the
+    # `select_budget` best-scored tokens (or ceil(select_ratio x the row's history) when select_ratio is
+    # set), always plus the n_sink first tokens and the newest n_recent ("omnikv") or snapkv_window
+    # ("snapkv") tokens. Authors' defaults: 2048 tokens, 8 sinks, 128 recent, raw q.k scores. For
+    # "snapkv", select_ratio is the fraction of the prompt kept in all (as the SnapKV baseline's ratio)
+    select_budget: int = 2048
+    select_ratio: float | None = None
+    n_recent: int = 128
+    select_pool: int = 1  # max-pool width over token scores (authors' pool_kernel_size, 1 = none)
+    snapkv_window: int = 32  # SnapKV observation window: the last prompt tokens whose queries vote
+    snapkv_pool: int = 5  # SnapKV average-pool width over the votes (as residualkv.snapkv / kvpress)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_attention_layers", tuple(int(i) for i in self.full_attention_layers))
@@ -56,6 +69,14 @@ class ResidualKVConfig:
             _check(g >= 8 and g % 8 == 0, name, g, "use a positive multiple of 8 (paper default 32) so groups pack into whole bytes")
         _check(self.full_window >= 0, "full_window", self.full_window, "use 0 or more FP16 recent tokens")
         _check(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
+        _check(self.select_budget >= 0, "select_budget", self.select_budget, "use 0 or more tokens (authors' default 2048)")
+        _check(self.select_ratio is None or 0.0 <= self.select_ratio <= 1.0, "select_ratio", self.select_ratio,
+               "use None (token budget) or a fraction of the history in [0, 1]")
+        _check(self.n_recent >= 0, "n_recent", self.n_recent, "use 0 or more recent tokens (authors' default 128)")
+        for name in ("select_pool", "snapkv_pool"):
+            w = getattr(self, name)
+            _check(w >= 1 and w % 2 == 1, name, w, "use an odd pooling width of at least 1")
+        _check(self.snapkv_window >= 1, "snapkv_window", self.snapkv_window, "use at least one observation query (SnapKV default 32)")
         _check(len(set(self.full_attention_layers)) == len(self.full_attention_layers), "full_attention_layers",
                self.full_attention_layers, "list each layer id once")
 

@@ -11,9 +11,10 @@ from typing import Any, Callable
 
 from transformers import DynamicCache
 
-from .cache import ResidualKVCache
+from .cache import OmniKVCache, ResidualKVCache
 from .codec import ResidualCodec, model_shape
 from .config import ResidualKVConfig
+from .snapkv import SnapKVCache
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,16 @@ def _kivi(bits: int):
 
 
 def _residual(**overrides):
-    def build(model, codec, base):
-        return ResidualKVCache.from_model(model, codec, codec.config.replace(**overrides) if overrides else codec.config)
+    def build(model, codec, base, changes=None):
+        # the codec's own config (it was trained with that schedule), the caller's changes, the method's mode
+        return ResidualKVCache.from_model(model, codec, codec.config.replace(**{**(changes or {}), **overrides}))
+    build.takes_changes = True
     return build
+
+
+def _omnikv(model, codec, base):
+    # OmniKV selection on an uncompressed cache: filter layers = the backbone's full-attention layers
+    return OmniKVCache.from_model(model, base.replace(mode="omnikv"))
 
 
 def _dagger(bits: int):
@@ -51,13 +59,29 @@ def _dagger(bits: int):
     return build
 
 
+def _snapkv(ratio: float):
+    def build(model, codec, base):
+        return SnapKVCache.from_model(model, ratio=ratio, window=32)
+    return build
+
+
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("full", "FP16 full cache (transformers DynamicCache)", False, _full),
     Method("kivi4", "KIVI-style 4-bit keys per channel / values per token on every layer", False, _kivi(4)),
     Method("kivi2", "KIVI-style 2-bit keys per channel / values per token on every layer", False, _kivi(2)),
     Method("residualkv-dagger", "ResidualKV†: FP8 references + 2-bit raw residuals, no neural codec", False, _dagger(2)),
-    Method("residualkv", "ResidualKV standalone, trained codec, INT4 latents", True, _residual(bits=4)),
-    Method("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", True, _residual(bits=2)),
+    Method("snapkv", "SnapKV: keep the 20% most-attended prompt tokens (32-token window included) per layer "
+           "and KV head, FP16", False, _snapkv(0.2)),
+    Method("snapkv-10", "SnapKV keeping 10% of the prompt", False, _snapkv(0.1)),
+    Method("omnikv", "OmniKV dynamic selection on the FP16 full cache (no compression, KR = 100%)", False, _omnikv),
+    Method("residualkv", "ResidualKV + OmniKV (default deployment): trained codec, INT4 latents, sparse layers "
+           "reconstruct only the tokens the filter layers select", True, _residual(bits=4, mode="omnikv")),
+    Method("residualkv-standalone", "ResidualKV standalone: trained codec, INT4 latents, every token reconstructed "
+           "(CR = 100%)", True, _residual(bits=4, mode="standalone")),
+    Method("residualkv-snapkv", "ResidualKV + SnapKV: trained codec, INT4 latents, compressed layers keep only "
+           "SnapKV's survivors after the prompt plus the references they need (irreversible)", True,
+           _residual(bits=4, mode="snapkv")),
+    Method("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", True, _residual(bits=2, mode="standalone")),
 ]}
 
 
@@ -67,10 +91,14 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def build_cache(name: str, model, codec: ResidualCodec | None = None, base: ResidualKVConfig | None = None):
+def build_cache(name: str, model, codec: ResidualCodec | None = None, base: ResidualKVConfig | None = None,
+                **changes: Any):
     """A fresh cache for one run of `model` with method `name`.
 
     `base` is the backbone's default cache config (full layers, schedule) used by codec-free methods.
+    `changes` override single config fields of the built cache (e.g. select_budget=1024, select_ratio=0.2).
+    Sparse methods (residualkv, residualkv-snapkv, omnikv) route the model's attention through
+    `residualkv.attention` ("residualkv_sparse", which equals SDPA for every other cache).
     """
     method = get_method(name)
     if method.needs_codec and codec is None:
@@ -78,4 +106,12 @@ def build_cache(name: str, model, codec: ResidualCodec | None = None, base: Resi
                          "or pass --codec PATH_OR_URI")
     if base is None:
         base = codec.config if codec is not None else ResidualKVConfig()
+    if not changes:
+        return method.build(model, codec, base)
+    if "mode" in changes:
+        raise ValueError("the deployment mode comes with the method name (residualkv = + OmniKV, residualkv-standalone, "
+                         "residualkv-snapkv, omnikv); do not pass mode=")
+    base = base.replace(**changes)
+    if getattr(method.build, "takes_changes", False):  # codec methods read their config from the codec
+        return method.build(model, codec, base, changes)
     return method.build(model, codec, base)

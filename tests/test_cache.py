@@ -163,7 +163,7 @@ def test_methods_registry_builds_every_codec_free_method(tiny_model):
 
 def test_rkv_accounting_json_contract_smollm2_4096(smollm2):
     out = subprocess.run([sys.executable, "-m", "residualkv.cli", "accounting", "--backbone", "smollm2-135m",
-                          "--method", "residualkv", "--context-len", "4096", "--json"],
+                          "--method", "residualkv-standalone", "--context-len", "4096", "--json"],
                          capture_output=True, text=True, check=True)
     rep = json.loads(out.stdout)
     for key in ("kr_measured", "kr_formula", "cr", "bytes"):

@@ -1,0 +1,313 @@
+"""Dynamic token selection (OmniKV) and the sparse attention path (seed §2.7, §3.3, §4.7).
+
+Decode step t under mode "omnikv" (prefill stays dense everywhere, as in OmniKV):
+
+1. a filter layer (a full-attention layer of the config) attends over its whole history; at the last
+   filter layer of each run of adjacent ones, the attention also scores every history token: raw q.k
+   logits, averaged over the step's query positions, max-pooled over the query heads of each KV group
+   and then over the KV heads (the authors' recipe). I_t = the `select_budget` best tokens
+   (or ceil(select_ratio x history)) + the n_sink first + the n_recent newest, per row;
+2. the following sparse layers, up to the next filter layer, gather and reconstruct only I_t (selected
+   references read as references; selected codes decoded with only the references they need) and
+   attend over them plus the current token:  o = softmax(q K_I^T / sqrt(D)) V_I;
+3. the new token is stored as usual (reference or code). Layers before the first filter layer read all.
+
+Mode "snapkv": during the prompt, each compressed layer's attention also computes SnapKV's votes (the
+last `snapkv_window` queries' softmax attention averaged over those queries, average-pooled over
+neighbouring tokens and over the query heads of each KV head, as the SnapKV baseline in
+residualkv/snapkv.py scores; then max over KV heads, since a ResidualKV token carries all heads) and
+evicts the layer's tokens to the survivors (the best `select_budget` + sinks + the observation window)
+plus the references the surviving codes need. Irreversible; later steps read the survivors and every
+new token.
+
+How it plugs into transformers without copying modeling files. The query is only visible to the
+attention function, the cache only to `cache.update`; the hand-off between the two:
+
+* `ResidualKVCache.update` (via `SparseController.update`) returns either the usual K/V or, for a
+  sparse layer, only the selected K/V with a `slots` map; it leaves a `_Handoff` (layer, kind, the K
+  tensor it returned) in a context variable;
+* `sparse_attention_forward`, registered in `AttentionInterface` as "residualkv_sparse", picks the
+  hand-off up when it is for the very K tensor it receives, then: "sparse" -> gathers the model's mask
+  at the returned slots (and masks padding columns); "score" -> attends densely and stores I_t on
+  the controller; "snap" -> attends densely and evicts. With no hand-off it is exactly transformers'
+  SDPA, so installing it on a model changes nothing for other caches.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .cache import ResidualLayer, _RowStores
+
+ATTN_IMPLEMENTATION = "residualkv_sparse"
+
+
+@dataclass
+class _Handoff:
+    controller: "SparseController"
+    layer_idx: int
+    kind: str  # "score" | "sparse" | "snap"
+    key: torch.Tensor  # the K tensor cache.update returned: the attention call must receive this object
+    slots: torch.Tensor | None  # "sparse": [B, L] mask column of each returned K column, -1 = padding
+    consumed: bool = False
+
+
+_HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores and selection (pure functions, tested on their own)
+
+
+def omnikv_token_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """query [B, Hq, T, D], key [B, Hkv, L, D] -> [B, L]: raw q.k logits averaged over the T query
+    positions, max over the query heads of each KV group, then max over KV heads."""
+    B, Hq, T, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    q = query.float().reshape(B, Hkv, G * T, D)  # query head h reads KV head h // G (repeat_kv)
+    logits = (q @ key.float().transpose(-1, -2)).view(B, Hkv, G, T, L)
+    return logits.mean(dim=3).amax(dim=2).amax(dim=1)
+
+
+def snapkv_token_scores(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                        scaling: float, window: int) -> torch.Tensor:
+    """SnapKV votes per query head [B, Hq, L]: softmax attention of the last `window` queries over all
+    keys (causal and padding masked), averaged over those queries. Query heads are KV-group major."""
+    B, Hq, T, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    G, w = Hq // Hkv, min(window, T)
+    q = query[:, :, -w:].float().reshape(B, Hkv, G * w, D)
+    logits = (q @ key.float().transpose(-1, -2)).view(B, Hkv, G, w, L) * scaling
+    if attention_mask is not None:
+        m = attention_mask[..., -w:, :]
+        allowed = m if m.dtype == torch.bool else m == 0
+        allowed = allowed.expand(B, -1, w, L)[:, :, None]  # [B, 1|H, 1, w, L]
+    else:  # causal: the queries are the last w slots
+        q_slot = torch.arange(L - w, L, device=key.device)
+        allowed = torch.arange(L, device=key.device)[None, :] <= q_slot[:, None]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a padding query that sees nothing votes 0
+    return probs.mean(dim=3).reshape(B, Hq, L)
+
+
+def snapkv_aggregate(votes: torch.Tensor, n_kv_heads: int, pool: int) -> torch.Tensor:
+    """votes [r, Hq, n] over one row group's prompt prefix -> token scores [r, n]: average-pooled over
+    neighbouring tokens (count_include_pad=False) and averaged over the query heads sharing a KV head,
+    as the SnapKV baseline (residualkv.snapkv) scores each KV head; then max over KV heads, because a
+    ResidualKV token holds every KV head: it survives if any head wants it."""
+    r, Hq, n = votes.shape
+    if pool > 1 and n > 0:
+        votes = F.avg_pool1d(votes.reshape(r * Hq, 1, n), pool, stride=1, padding=pool // 2,
+                             count_include_pad=False).reshape(r, Hq, -1)[..., :n]
+    return votes.reshape(r, n_kv_heads, Hq // n_kv_heads, n).mean(dim=2).amax(dim=1)
+
+
+def _pool(scores: torch.Tensor, width: int) -> torch.Tensor:
+    if width <= 1:
+        return scores
+    return F.max_pool1d(scores[:, None], kernel_size=width, stride=1, padding=width // 2)[:, 0]
+
+
+def token_budget(cfg, n: int) -> int:
+    """Scored tokens chosen for a row with n history tokens (besides the sinks and the recent window)."""
+    if cfg.select_ratio is not None:
+        return int(math.ceil(cfg.select_ratio * n))
+    return int(cfg.select_budget)
+
+
+def select_tokens(scores: torch.Tensor, n_sink: int, n_recent: int, budget: int) -> torch.Tensor:
+    """scores [r, n] over history ordinals -> [r, S] sorted ordinals: the n_sink first, the n_recent
+    last and the `budget` best-scored of the others. S is the same for every row."""
+    r, n = scores.shape
+    ords = torch.arange(n, device=scores.device)
+    forced = (ords < n_sink) | (ords >= n - n_recent)
+    k = min(n, int(forced.sum()) + max(budget, 0))
+    if k == n:
+        return ords.expand(r, n).clone()
+    s = scores.float().nan_to_num(float("-inf")).masked_fill(forced, float("inf"))
+    return s.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+# ---------------------------------------------------------------------------------------------
+# The controller: what each layer of a sparse-mode cache reads, step by step
+
+
+class SparseController:
+    """Per-cache state of the sparse modes; `ResidualKVCache.update` delegates to `update`."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.cfg = cache.config
+        n_layers = len(cache.layers)
+        self.filters = frozenset(self.cfg.full_attention_layers)
+        if self.cfg.mode == "omnikv" and not self.filters:
+            raise ValueError("mode 'omnikv' needs filter layers: set full_attention_layers (the backbone YAML's)")
+        # a run of adjacent filter layers chooses once, at its last layer (the authors' "obs" layers)
+        self.choosers = frozenset(i for i in self.filters if i + 1 < n_layers and i + 1 not in self.filters)
+        self.selection: list[torch.Tensor | None] | None = None  # per row group: [rows, S] ordinals this step
+        # when I_t is a group's whole history (budget >= history), read it by the plain full path
+        # (same tokens, no gather overhead); tests turn this off to exercise the gather path
+        self.full_read_shortcut = True
+        self.decode = False
+        self.prompt = False
+        self.evicted: dict[int, dict[str, int]] = {}  # snapkv: layer -> counts
+        self.pending: _Handoff | None = None
+
+    # -- called by the cache --
+
+    def begin_step(self, n_new: int) -> None:
+        self._check_pending()
+        s0 = self.cache.rows.n_slots - n_new
+        self.selection = None
+        self.decode = n_new == 1 and s0 > 0
+        self.prompt = s0 == 0
+
+    def update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        self._check_pending()
+        layer, rows = self.cache.layers[layer_idx], self.cache.rows
+        if self.cfg.mode == "omnikv":
+            if self.decode and layer_idx not in self.filters and self.selection is not None:
+                k, v, slots = layer.update_selected(key_states, value_states, rows, self.selection)
+                self._hand(layer_idx, "sparse", k, slots)
+                return k, v
+            k, v = layer.update(key_states, value_states, rows)
+            if self.decode and layer_idx in self.choosers:
+                self._hand(layer_idx, "score", k, None)
+            return k, v
+        # snapkv
+        if isinstance(layer, ResidualLayer) and layer_idx in self.evicted:
+            select = [store.visible_ordinals() for store in layer.stores]
+            k, v, slots = layer.update_selected(key_states, value_states, rows, select)
+            self._hand(layer_idx, "sparse", k, slots)
+            return k, v
+        k, v = layer.update(key_states, value_states, rows)
+        if self.prompt and isinstance(layer, ResidualLayer):
+            self._hand(layer_idx, "snap", k, None)
+        return k, v
+
+    # -- called by the attention function --
+
+    def choose(self, h: _Handoff, scores: torch.Tensor) -> None:
+        """I_t for every row group, from the filter layer's scores over slots [B, L]."""
+        cfg, rows = self.cfg, self.cache.rows
+        s0 = rows.n_slots - 1
+        sel = []
+        for grp in rows.groups:  # pool inside each group's own history (never across its padding)
+            n = s0 - grp.start
+            sc = _pool(scores[grp.rows.to(scores.device), grp.start : s0], cfg.select_pool)
+            chosen = select_tokens(sc, cfg.n_sink, cfg.n_recent, token_budget(cfg, n))
+            sel.append(None if self.full_read_shortcut and chosen.shape[1] == n else chosen)
+        self.selection = None if all(s is None for s in sel) else sel
+
+    def evict(self, h: _Handoff, votes: torch.Tensor, n_kv_heads: int) -> None:
+        """SnapKV: keep each row's survivors (and the references their codes need) in layer h.layer_idx.
+        Survivors: the n_sink first tokens, the observation window (last snapkv_window prompt tokens)
+        and the `select_budget` best-voted others; with select_ratio, max(window, round(ratio x n))
+        prompt tokens in all (the SnapKV baseline's ratio), sinks included when they fit."""
+        cfg, rows = self.cfg, self.cache.rows
+        layer = self.cache.layers[h.layer_idx]
+        s1 = rows.n_slots
+        counts = {"evicted_refs": 0, "evicted_codes": 0, "hidden_refs": 0}
+        for gi, grp in enumerate(rows.groups):
+            n = s1 - grp.start
+            w = min(cfg.snapkv_window, n)
+            prefix = n - w
+            sinks = min(cfg.n_sink, prefix)
+            budget = (max(0, round(cfg.select_ratio * n) - w - sinks) if cfg.select_ratio is not None
+                      else cfg.select_budget)
+            if sinks + budget >= prefix:
+                continue
+            r_idx = grp.rows.to(votes.device)
+            scores = snapkv_aggregate(votes[r_idx, :, grp.start : grp.start + prefix], n_kv_heads, cfg.snapkv_pool)
+            chosen = select_tokens(scores, cfg.n_sink, 0, budget)
+            window = torch.arange(prefix, n, device=chosen.device).expand(chosen.shape[0], w)
+            keep = torch.cat([chosen, window], dim=1)
+            store = layer.stores[gi]
+            if store.refs.shape[0] > 1:
+                store = layer.stores[gi] = _RowStores(store.split_rows())
+            for i, one in enumerate(store.stores if isinstance(store, _RowStores) else [store]):
+                for key, val in one.evict(keep[i]).items():
+                    counts[key] += val
+        if counts["evicted_refs"] + counts["evicted_codes"]:
+            self.evicted[h.layer_idx] = counts
+
+    # -- hand-off --
+
+    def _hand(self, layer_idx: int, kind: str, key: torch.Tensor, slots: torch.Tensor | None) -> None:
+        self.pending = _Handoff(self, layer_idx, kind, key, slots)
+        _HANDOFF.set(self.pending)
+
+    def _check_pending(self) -> None:
+        h, self.pending = self.pending, None
+        if h is not None and not h.consumed:
+            _HANDOFF.set(None)
+            raise RuntimeError(
+                f"layer {h.layer_idx}'s attention did not run through {ATTN_IMPLEMENTATION!r}, so the "
+                f"{self.cfg.mode} selection could not be made; call residualkv.attention.install(model) (caches "
+                "built with from_model do this) and keep the model on that attention implementation")
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+
+
+def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function "residualkv_sparse": SDPA, plus the hand-off described above."""
+    h = _HANDOFF.get()
+    if h is None or h.consumed or h.key is not key or getattr(module, "layer_idx", h.layer_idx) != h.layer_idx:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    h.consumed = True
+    _HANDOFF.set(None)
+    if h.kind == "sparse":
+        return sdpa_attention_forward(module, query, key, value, gather_mask(attention_mask, h.slots, query), **kwargs)
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with torch.no_grad():
+        if h.kind == "score":
+            h.controller.choose(h, omnikv_token_scores(query, key))
+        elif h.kind == "snap":
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            votes = snapkv_token_scores(query, key, attention_mask, scaling, h.controller.cfg.snapkv_window)
+            h.controller.evict(h, votes, key.shape[1])
+    return out
+
+
+def gather_mask(attention_mask: torch.Tensor | None, slots: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
+    """The model's mask [B, 1, T, kv] restricted to the returned columns `slots` [B, L]; -1 columns masked."""
+    valid = slots >= 0
+    B, L = slots.shape
+    if attention_mask is None:
+        return None if bool(valid.all()) else valid[:, None, None, :]
+    T = attention_mask.shape[-2]
+    m = attention_mask.expand(B, -1, -1, -1)
+    idx = slots.clamp(min=0)[:, None, None, :].expand(B, m.shape[1], T, L)
+    g = m.gather(-1, idx)
+    if g.dtype == torch.bool:
+        return g & valid[:, None, None, :]
+    return g.masked_fill(~valid[:, None, None, :], torch.finfo(g.dtype).min)
+
+
+def register() -> None:
+    """Make "residualkv_sparse" a valid `attn_implementation` (attention and mask functions)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sparse_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def install(model) -> None:
+    """Route `model`'s attention through "residualkv_sparse" (exactly SDPA unless a sparse cache hands
+    off a selection). Idempotent."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "SparseController", "gather_mask", "install", "omnikv_token_scores", "register",
+           "select_tokens", "snapkv_aggregate", "snapkv_token_scores", "sparse_attention_forward", "token_budget"]

@@ -1,0 +1,128 @@
+"""`rkv eval`: every method side by side on the same inputs; JSON rows + CSV, markdown and a plot.
+
+    rkv eval --backbone smollm2-135m --methods full,kivi2,snapkv,residualkv --context-len 2048,4096 --json out/eval.json
+    rkv eval --methods full,kivi4 --tasks my_tasks.jsonl --json out/mine.json
+    rkv eval --methods full,residualkv --suite ppl --ppl-context 4096 --ppl-tokens 128 --json out/ppl.json
+
+Contract (other tools rely on it): OUT is a JSON list of rows with at least
+method, kr_measured, cr, score, rel_score (plus context_len, per-task scores, ppl, time). Without
+--codec, methods that need one use the latest trained codec for the backbone (clear error if none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+
+def default_methods() -> str:
+    """Every registered method, plus the SnapKV baseline when the registry does not list it yet."""
+    from ..methods import METHODS
+
+    names = list(METHODS)
+    return ",".join(names + ([] if "snapkv" in names else ["snapkv"]))
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    if text is None or text == "":
+        return None
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--context-len takes integers, comma-separated (e.g. 2048,4096); got {text!r}") from None
+    if not values or any(v < 16 for v in values):
+        raise SystemExit(f"--context-len needs lengths of at least 16 tokens; got {text!r}")
+    return values
+
+
+def register(subparsers) -> None:
+    e = subparsers.add_parser("eval", help="benchmark cache methods side by side (quality vs measured bytes)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("--backbone", default="smollm2-135m", help="registered name, backbone YAML, local folder or HF id")
+    e.add_argument("--methods", default=None,
+                   help="comma list of methods (default: every registered method and snapkv); 'full' is always run "
+                        "as the reference; snapkv-NN keeps NN%% of the prompt")
+    e.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--tasks", default=None, metavar="FILE.jsonl",
+                     help='JSONL rows {"id","context","question","answers"} (+ "max_new_tokens", "answer_prefix", "metric")')
+    src.add_argument("--suite", default=None,
+                     help="synthetic (default), synthetic-all, ppl, or a hub benchmark "
+                          "longbench|longbench-v2|ruler|scbench[:SUBSET][@OWNER/REPO]")
+    e.add_argument("--synthetic-tasks", default=None, help="comma list of synthetic task names (instead of a suite's)")
+    e.add_argument("--context-len", default=None,
+                   help="prompt length(s) in tokens, comma-separated (default 2048 for synthetic suites; with --tasks "
+                        "or a hub suite, longer prompts are middle-truncated to it)")
+    e.add_argument("--json", required=True, metavar="OUT", help="write the result rows here (a JSON list)")
+    e.add_argument("--n-samples", type=int, default=5, help="samples per synthetic task (per hub benchmark: in total)")
+    e.add_argument("--out-dir", default=None, help="CSV, markdown, plot and predictions (default: next to --json)")
+    e.add_argument("--ppl-context", type=int, default=None, help="perplexity context tokens (default: each context length)")
+    e.add_argument("--ppl-tokens", type=int, default=64, help="continuation tokens scored one by one (0 skips perplexity)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from ..backbones import load_backbone
+    from ..cli import base_config, latest_codec_path, resolve_codec
+    from .harness import evaluate, known_method, method_needs_codec
+    from .report import markdown_table
+    from .samples import load_jsonl
+
+    methods = [m.strip() for m in (args.methods or default_methods()).split(",") if m.strip()]
+    for m in methods:
+        if not known_method(m):
+            try:
+                method_needs_codec(m)
+            except ValueError as err:
+                raise SystemExit(f"{err}, snapkv, snapkv-NN (keep NN% of the prompt)") from None
+    lengths = _int_list(args.context_len)
+    samples = load_jsonl(args.tasks) if args.tasks else None
+    suite = args.suite or "synthetic"
+    tasks = [t.strip() for t in args.synthetic_tasks.split(",")] if args.synthetic_tasks else None
+    if samples is None and lengths is None and (suite.startswith("synthetic") or tasks or suite == "ppl"):
+        lengths = [2048]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    needs_codec = any(method_needs_codec(m) for m in methods)
+    if needs_codec and args.codec is None:
+        _fail_early_without_codec(args.backbone)
+    print(f"[rkv eval] loading {args.backbone}", file=sys.stderr, flush=True)
+    model, tok, spec = load_backbone(args.backbone)
+    cfg = base_config(spec)
+    codec, codec_note = None, None
+    if needs_codec:
+        codec = resolve_codec(args.codec, model, spec)  # SystemExit with how to train one when there is none
+        codec_note = args.codec or (latest_codec_path(spec.name) if spec else None) or "latest trained"
+    json_path = Path(args.json)
+    rows = evaluate(model, tok, methods, codec, cfg, samples=samples, suite=suite, tasks=tasks,
+                    context_len=lengths if lengths is None or len(lengths) > 1 else lengths[0],
+                    n_samples=args.n_samples, seed=args.seed, ppl_context=args.ppl_context,
+                    ppl_tokens=args.ppl_tokens, out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
+                    json_path=json_path, progress=not args.no_progress,
+                    extra={"backbone": args.backbone, "codec": str(codec_note) if codec_note else None,
+                           "suite": args.tasks or suite, "seed": args.seed})
+    print(markdown_table(rows))
+    print(f"[rkv eval] wrote {json_path} (+ .csv, .md, _score_vs_kr.png, _predictions.jsonl in "
+          f"{args.out_dir or json_path.parent})", file=sys.stderr)
+    return 0
+
+
+def _fail_early_without_codec(backbone: str) -> None:
+    """Say there is no codec before spending time loading the model (registered backbones only)."""
+    from ..backbones import get_backbone
+    from ..cli import latest_codec_path, resolve_codec
+
+    try:
+        spec = get_backbone(backbone)
+    except (KeyError, FileNotFoundError, ValueError):
+        return  # an HF id or a local folder: resolve_codec decides after loading
+    if latest_codec_path(spec.name) is None:
+        resolve_codec(None, None, spec)  # raises SystemExit naming `rkv train --backbone ...`

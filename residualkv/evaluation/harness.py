@@ -1,0 +1,320 @@
+"""The evaluation harness: every method on the same inputs, side by side, in one run.
+
+For each context length, each sample is run through every method in turn (a fresh cache per run:
+prefill the whole prompt in one call, then greedy decoding one token at a time through the cache), so
+methods see identical prompts and share the machine's load fluctuations. Perplexity of held-out text
+is measured through each method's cache as well (`perplexity.py`).
+
+Per (method, context length) row:
+  kr_measured, kr_formula, cr   mean over the task samples of `accounting.report(cache)` taken after that
+                                sample's prefill + generation (the ppl run's report when there are no samples)
+  score                         mean over tasks of the task's mean sample score (fractions in [0, 1])
+  rel_score                     sum of the method's task scores / sum of the full cache's task scores, over
+                                the tasks where the full cache scores > 0 (tasks without signal are left out);
+                                None when the full cache scores 0 on every task. Equals score / full score
+                                when every task has signal; exactly 1.0 for the full cache.
+  tasks / rel_tasks             per-task scores and score / full score (None where the full score is 0)
+  ppl, nll, ppl_rel             perplexity through the cache and ppl / full ppl
+  time_s, s_per_sample, prefill_tok_s, decode_tok_s   wall-clock figures of this process
+The full FP16 cache is always run (added first when not requested): quality is relative to it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .. import accounting
+from ..snapkv import SnapKVCache, snapkv_report
+from .perplexity import cache_perplexity, heldout_ids
+from .samples import Sample, encode_prompt, generation_budget
+from .scoring import score as score_prediction
+
+REFERENCE = "full"
+_SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods: the registry in methods.py, plus SnapKV until it is registered there
+
+
+def _snapkv_ratio(name: str) -> float | None:
+    m = _SNAPKV.match(name)
+    if not m:
+        return None
+    return int(m.group(1)) / 100 if m.group(1) else 0.2
+
+
+def known_method(name: str) -> bool:
+    from ..methods import METHODS
+
+    return name in METHODS or _snapkv_ratio(name) is not None
+
+
+def method_needs_codec(name: str) -> bool:
+    from ..methods import METHODS, get_method
+
+    if name in METHODS:
+        return get_method(name).needs_codec
+    if _snapkv_ratio(name) is not None:
+        return False
+    get_method(name)  # raises the registry's "unknown method" error
+    return False
+
+
+def build_method_cache(name: str, model, codec=None, base=None):
+    """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%."""
+    from ..methods import METHODS, build_cache
+
+    if name in METHODS:
+        return build_cache(name, model, codec, base)
+    ratio = _snapkv_ratio(name)
+    if ratio is not None:
+        return SnapKVCache.from_model(model, ratio=ratio, window=32)
+    return build_cache(name, model, codec, base)  # raises with the list of known methods
+
+
+def measure(cache) -> dict[str, Any]:
+    if isinstance(cache, SnapKVCache):
+        return snapkv_report(cache)
+    return accounting.report(cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    prefill_s: float
+    decode_s: float
+    decode_steps: int  # one-token forward calls after the prefill
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, cache, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> Generation:
+    """Prefill the prompt into `cache` in one call, then decode greedily one token per step."""
+    device = next(model.parameters()).device
+    n = len(prompt_ids)
+    t0 = time.perf_counter()
+    out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    t1 = time.perf_counter()
+    nxt = int(out.logits[0, -1].argmax())
+    generated: list[int] = []
+    steps = 0
+    while nxt not in stop_ids:
+        generated.append(nxt)
+        if len(generated) >= max_new_tokens:
+            break
+        steps += 1
+        out = model(input_ids=torch.tensor([[nxt]], device=device), cache=cache, use_cache=True,
+                    position_ids=torch.tensor([[n + len(generated) - 1]], device=device))
+        nxt = int(out.logits[0, -1].argmax())
+    t2 = time.perf_counter()
+    return Generation(generated, tokenizer.decode(generated, skip_special_tokens=True), t1 - t0, t2 - t1, steps)
+
+
+def truncate_middle(ids: list[int], max_len: int | None) -> list[int]:
+    """LongBench's rule for prompts longer than the budget: keep the head and the tail."""
+    if max_len is None or len(ids) <= max_len:
+        return ids
+    half = max_len // 2
+    return ids[:half] + ids[len(ids) - (max_len - half):]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def suite_samples(suite: str, tokenizer, context_len: int | None, n_samples: int, seed: int,
+                  tasks: Sequence[str] | None = None) -> list[Sample]:
+    """Samples of a named suite: a synthetic suite generated at context_len, 'ppl' (none), or a hub benchmark."""
+    from . import hub, synthetic
+
+    if suite == "ppl":
+        return []
+    if suite in synthetic.SUITES or tasks:
+        if context_len is None:
+            raise ValueError("synthetic tasks need a context length")
+        names = list(tasks) if tasks else synthetic.suite_tasks(suite)
+        return synthetic.SyntheticGenerator(tokenizer, seed).generate(names, context_len, n_samples)
+    parsed = hub.parse_suite(suite)
+    if parsed is None:
+        raise ValueError(f"unknown suite {suite!r}: use {', '.join(list(synthetic.SUITES) + ['ppl'])}, or "
+                         f"{'|'.join(hub.SOURCES)}[:SUBSET][@OWNER/REPO] for a hub benchmark")
+    source, subset, repo = parsed
+    return hub.load_benchmark(source, subset, path=repo, limit=n_samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=None, *,
+             samples: Sequence[Sample] | None = None, suite: str = "synthetic", tasks: Sequence[str] | None = None,
+             context_len: int | Sequence[int] | None = 2048, n_samples: int = 5, seed: int = 0,
+             ppl_context: int | None = None, ppl_tokens: int = 64, min_new_tokens: int | None = None,
+             out_dir: str | Path | None = None, stem: str = "eval", json_path: str | Path | None = None,
+             progress: bool = True, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Run `methods` side by side on the same inputs; return one row per (method, context length).
+
+    Inputs: `samples` (e.g. `load_jsonl`) -- prompts longer than a context length are middle-truncated to
+    it, and without a context length they run as they are -- or a `suite` ("synthetic", "synthetic-all",
+    "ppl", "longbench:SUBSET", ...), with `tasks` choosing synthetic tasks (names or `synthetic.TaskConfig`s).
+    `context_len` may be a list: every length gets its own rows (and its own synthetic samples).
+    Perplexity: `ppl_tokens` scored after `ppl_context` tokens (default: the row's context length, 2048
+    without one); 0 skips it.
+    Files: with `out_dir`, writes <stem>.json/.csv/.md, <stem>_score_vs_kr.png and <stem>_predictions.jsonl
+    (the JSON at `json_path` instead when given). `extra` fields are copied into every row.
+    """
+    from tqdm.auto import tqdm
+
+    methods = list(dict.fromkeys(methods))
+    for m in methods:
+        if not known_method(m):
+            method_needs_codec(m)  # raises with the list of known methods
+    methods = [REFERENCE] + [m for m in methods if m != REFERENCE]  # the reference runs first, always
+    lengths: list[int | None] = list(context_len) if isinstance(context_len, (list, tuple)) else [context_len]
+    stop = eos_ids(model, tokenizer)
+
+    groups: list[tuple[int | None, list[Sample]]] = []
+    for L in lengths:
+        if samples is not None:
+            groups.append((L, list(samples)))
+        else:
+            groups.append((L, suite_samples(suite, tokenizer, L, n_samples, seed, tasks)))
+    ppl_runs = ppl_tokens > 0
+    total = sum(len(s) for _, s in groups) * len(methods) + (len(groups) * len(methods) if ppl_runs else 0)
+
+    records: list[dict[str, Any]] = []
+    ppl_results: dict[tuple[str, int], dict[str, Any]] = {}
+    bar = tqdm(total=total, disable=not progress, file=sys.stderr, desc="eval", unit="run", dynamic_ncols=True)
+    try:
+        for L, group in groups:
+            for sample in group:
+                ids = truncate_middle(encode_prompt(tokenizer, sample), L)
+                budget = generation_budget(tokenizer, sample, min_new_tokens)
+                for m in methods:
+                    bar.set_postfix_str(f"{L or ''} {sample.task} {m}")
+                    cache = build_method_cache(m, model, codec, base_config)
+                    t0 = time.perf_counter()
+                    g = greedy(model, tokenizer, cache, ids, budget, stop)
+                    wall = time.perf_counter() - t0
+                    rep = measure(cache)
+                    records.append({
+                        "method": m, "context_len": L, "id": sample.id, "task": sample.task,
+                        "score": score_prediction(g.text, sample.answers, sample.metric), "prediction": g.text,
+                        "answers": sample.answers, "metric": sample.metric, "prompt_tokens": len(ids),
+                        "new_tokens": len(g.token_ids), "max_new_tokens": budget, "prefill_s": g.prefill_s,
+                        "decode_s": g.decode_s, "decode_steps": g.decode_steps, "wall_s": wall, "kr_measured": rep["kr_measured"],
+                        "kr_formula": rep.get("kr_formula"), "cr": rep["cr"],
+                    })
+                    del cache
+                    bar.update(1)
+            if ppl_runs:
+                n_ctx = ppl_context or L or 2048
+                ppl_ids = heldout_ids(tokenizer, n_ctx + ppl_tokens)
+                for m in methods:
+                    bar.set_postfix_str(f"{L or ''} ppl@{n_ctx} {m}")
+                    key = (m, n_ctx)
+                    if key not in ppl_results:
+                        cache = build_method_cache(m, model, codec, base_config)
+                        t0 = time.perf_counter()
+                        res = cache_perplexity(model, cache, ppl_ids, n_ctx)
+                        res["wall_s"] = time.perf_counter() - t0
+                        rep = measure(cache)
+                        res.update({"kr_measured": rep["kr_measured"], "kr_formula": rep.get("kr_formula"),
+                                    "cr": rep["cr"], "ppl_context": n_ctx})
+                        ppl_results[key] = res
+                        del cache
+                    bar.update(1)
+    finally:
+        bar.close()
+
+    rows = summarize(records, ppl_results, methods, lengths, ppl_context if ppl_runs else None, ppl_tokens)
+    for r in rows:
+        r.update(extra or {})
+    if out_dir is not None or json_path is not None:
+        from .report import write_outputs
+
+        write_outputs(rows, out_dir=out_dir, stem=stem, json_path=json_path, records=records)
+    return rows
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], dict[str, Any]],
+              methods: Sequence[str], lengths: Sequence[int | None], ppl_context: int | None = None,
+              ppl_tokens: int = 0) -> list[dict[str, Any]]:
+    """Aggregate per-run records into the contract rows (see the module docstring for every field)."""
+    rows: list[dict[str, Any]] = []
+    for L in lengths:
+        recs = [r for r in records if r["context_len"] == L]
+        task_names = list(dict.fromkeys(r["task"] for r in recs))
+        per: dict[str, dict[str, float]] = {}
+        for m in methods:
+            by_task = defaultdict(list)
+            for r in recs:
+                if r["method"] == m:
+                    by_task[r["task"]].append(r["score"])
+            per[m] = {t: sum(v) / len(v) for t, v in by_task.items()}
+        ref = per.get(REFERENCE, {})
+        signal = [t for t in task_names if ref.get(t, 0) > 0]
+        n_ctx = ppl_context or L or 2048
+        ref_ppl = ppl_results.get((REFERENCE, n_ctx))
+        for m in methods:
+            mine = [r for r in recs if r["method"] == m]
+            scores = per[m]
+            score = _mean([scores.get(t) for t in task_names]) if task_names else None
+            rel = (sum(scores.get(t, 0.0) for t in signal) / sum(ref[t] for t in signal)) if signal else None
+            ppl = ppl_results.get((m, n_ctx))
+            kr_src = mine if mine else ([ppl] if ppl else [])
+            steps, decode_s = sum(r["decode_steps"] for r in mine), sum(r["decode_s"] for r in mine)
+            row: dict[str, Any] = {
+                "method": m,
+                "context_len": L,
+                "kr_measured": _mean([r["kr_measured"] for r in kr_src]),
+                "kr_formula": _mean([r.get("kr_formula") for r in kr_src]),
+                "cr": _mean([r["cr"] for r in kr_src]),
+                "score": score,
+                "rel_score": rel,
+                "tasks": {t: scores.get(t) for t in task_names},
+                "rel_tasks": {t: (scores.get(t, 0.0) / ref[t] if t in signal else None) for t in task_names},
+                "tasks_without_signal": [t for t in task_names if t not in signal],
+                "n_samples": len(mine),
+                "ppl": ppl["ppl"] if ppl else None,
+                "nll": ppl["nll"] if ppl else None,
+                "ppl_rel": (ppl["ppl"] / ref_ppl["ppl"]) if ppl and ref_ppl else None,
+                "ppl_context": ppl["ppl_context"] if ppl else None,
+                "ppl_tokens": ppl["tokens"] if ppl else None,
+                "time_s": sum(r["wall_s"] for r in mine) + (ppl["wall_s"] if ppl else 0.0),
+                "s_per_sample": _mean([r["wall_s"] for r in mine]),
+                "prefill_tok_s": (sum(r["prompt_tokens"] for r in mine) / sum(r["prefill_s"] for r in mine)) if mine else None,
+                "decode_tok_s": steps / decode_s if decode_s > 0 else None,
+                "ppl_decode_tok_s": (ppl["tokens"] / ppl["decode_s"]) if ppl and ppl["decode_s"] > 0 else None,
+                "kr_source": ("mean over samples of accounting.report after prefill + generation" if mine else
+                              "accounting.report after the perplexity run" if ppl else None),
+            }
+            rows.append(row)
+    return rows

@@ -1,0 +1,128 @@
+"""Result files of one evaluation: JSON rows (the CLI contract), CSV, a markdown table, a plot, predictions."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+CONTRACT = ("method", "kr_measured", "cr", "score", "rel_score")
+
+
+def flat_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One CSV line: nested per-task dicts become score_<task> / rel_<task> columns."""
+    out = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
+    for t, v in (row.get("tasks") or {}).items():
+        out[f"score_{t}"] = v
+    for t, v in (row.get("rel_tasks") or {}).items():
+        out[f"rel_{t}"] = v
+    if row.get("tasks_without_signal"):
+        out["tasks_without_signal"] = ";".join(row["tasks_without_signal"])
+    return out
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    flat = [flat_row(r) for r in rows]
+    columns = list(dict.fromkeys(k for r in flat for k in r))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(flat)
+    return path
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    tasks = list(dict.fromkeys(t for r in rows for t in (r.get("tasks") or {})))
+    head = ["method", "context", "KR (measured)", "KR (formula)", "CR", "score", "rel. score", *tasks,
+            "ppl", "ppl / full", "s / sample", "decode tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"], str(r.get("context_len") or "–"), _pct(r.get("kr_measured")), _pct(r.get("kr_formula")),
+                 _pct(r.get("cr"), 0), _pct(r.get("score")), _num(r.get("rel_score"), "{:.3f}"),
+                 *[_pct((r.get("tasks") or {}).get(t), 0) for t in tasks],
+                 _num(r.get("ppl"), "{:.3f}"), _num(r.get("ppl_rel"), "{:.4f}"), _num(r.get("s_per_sample"), "{:.1f}"),
+                 _num(r.get("decode_tok_s"), "{:.1f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = ["", "KR: bytes held / bytes of the FP16 full cache, mean over samples after prefill + generation. "
+             "Scores: string match (fraction of answers present), mean over tasks. rel. score: relative to the "
+             "full cache over the tasks where it scores > 0."]
+    silent = sorted({t for r in rows for t in r.get("tasks_without_signal") or []})
+    if silent:
+        notes.append(f"Tasks where the full cache scores 0 (left out of rel. score): {', '.join(silent)}.")
+    return "\n".join(lines + notes) + "\n"
+
+
+def plot_score_vs_kr(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Score (perplexity when there are no task scores) against measured KR: one panel per context length,
+    one labelled point per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    use_score = any(r.get("score") is not None for r in rows)
+    key, label = ("score", "score (string match, %)") if use_score else ("ppl", "perplexity")
+    lengths = list(dict.fromkeys(r.get("context_len") for r in rows))
+    colour = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4.2), squeeze=False, sharey=use_score)
+    for ax, L in zip(axes[0], lengths):
+        pts = [r for r in rows if r.get("context_len") == L and r.get(key) is not None and r.get("kr_measured") is not None]
+        pts.sort(key=lambda r: r["kr_measured"])
+        for i, r in enumerate(pts):
+            x, y = 100 * r["kr_measured"], (100 * r[key] if use_score else r[key])
+            ax.scatter([x], [y], s=46, zorder=3, color=colour[r["method"]])
+            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 6 if i % 2 == 0 else -12), fontsize=8)
+        ax.set_title(f"{L} tokens" if L else "prompts as given", fontsize=10)
+        ax.set_xlabel("measured KR (% of FP16 full-cache bytes)")
+        ax.set_xlim(0, 108)
+        if use_score:
+            ax.set_ylim(-3, 105)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(label)
+    fig.suptitle(f"{'score' if use_score else 'perplexity'} vs measured KV-cache bytes", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(rows: Sequence[dict[str, Any]], *, out_dir: str | Path | None = None, stem: str = "eval",
+                  json_path: str | Path | None = None, records: Sequence[dict[str, Any]] | None = None) -> dict[str, Path]:
+    """Write the JSON rows (at json_path, else out_dir/<stem>.json) and CSV/markdown/plot/predictions in out_dir."""
+    if json_path is not None:
+        json_path = Path(json_path)
+        out_dir = Path(out_dir) if out_dir is not None else json_path.parent
+    else:
+        if out_dir is None:
+            raise ValueError("give out_dir or json_path")
+        out_dir = Path(out_dir)
+        json_path = out_dir / f"{stem}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        missing = [k for k in CONTRACT if k not in r]
+        if missing:
+            raise ValueError(f"row for {r.get('method')} lacks contract field(s) {missing}")
+    json_path.write_text(json.dumps(list(rows), indent=2) + "\n", encoding="utf-8")
+    paths = {"json": json_path,
+             "csv": write_csv(rows, out_dir / f"{stem}.csv"),
+             "md": out_dir / f"{stem}.md",
+             "plot": plot_score_vs_kr(rows, out_dir / f"{stem}_score_vs_kr.png")}
+    paths["md"].write_text(markdown_table(rows), encoding="utf-8")
+    if records is not None:
+        p = out_dir / f"{stem}_predictions.jsonl"
+        with open(p, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        paths["predictions"] = p
+    return paths

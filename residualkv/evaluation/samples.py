@@ -1,0 +1,136 @@
+"""The one sample format every task reduces to, the user JSONL loader, and prompt encoding.
+
+A sample is {"id", "context", "question", "answers"} plus optional "max_new_tokens" (default 32),
+"answer_prefix" (text the assistant turn starts with, as RULER does), "metric" ("all": the fraction of
+answers found in the prediction, RULER's string_match_all; "any": 1 if one of them is found, for
+answer lists that are alternatives, as in LongBench) and "task" (groups samples in the results).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+DEFAULT_MAX_NEW_TOKENS = 32
+METRICS = ("all", "any")
+
+
+@dataclass
+class Sample:
+    id: str
+    task: str
+    context: str
+    question: str
+    answers: list[str]
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    answer_prefix: str = ""
+    metric: str = "all"
+    max_new_tokens_given: bool = True  # False: the default applied, the harness may raise it to fit the answers
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.answers, str):
+            self.answers = [self.answers]
+        self.answers = [str(a) for a in self.answers]
+        if self.metric not in METRICS:
+            raise ValueError(f"sample {self.id}: metric {self.metric!r} is not one of {METRICS}")
+        if int(self.max_new_tokens) < 1:
+            raise ValueError(f"sample {self.id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.max_new_tokens = int(self.max_new_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_REQUIRED = ("id", "context", "question", "answers")
+
+
+def sample_from_dict(row: dict[str, Any], *, task: str = "jsonl", where: str = "") -> Sample:
+    missing = [k for k in _REQUIRED if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}; a task row is "
+                         '{"id", "context", "question", "answers"} (+ optional "max_new_tokens", "answer_prefix", '
+                         '"metric", "task")')
+    answers = row["answers"]
+    if isinstance(answers, str):
+        answers = [answers]
+    if not isinstance(answers, list) or not answers:
+        raise ValueError(f"{where}: answers must be a non-empty list of strings (or one string)")
+    given = row.get("max_new_tokens") is not None
+    return Sample(id=str(row["id"]), task=str(row.get("task") or task), context=str(row["context"]),
+                  question=str(row["question"]), answers=[str(a) for a in answers],
+                  max_new_tokens=int(row["max_new_tokens"]) if given else DEFAULT_MAX_NEW_TOKENS,
+                  answer_prefix=str(row.get("answer_prefix") or ""), metric=str(row.get("metric") or "all"),
+                  max_new_tokens_given=given)
+
+
+def load_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
+    """Samples from a JSONL file, one object per line; `task` defaults to the file stem."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no task file at {path}")
+    out, seen = [], set()
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            s = sample_from_dict(row, task=task or path.stem, where=f"{path}:{n}")
+            if s.id in seen:
+                raise ValueError(f"{path}:{n}: duplicate id {s.id!r}")
+            seen.add(s.id)
+            out.append(s)
+    if not out:
+        raise ValueError(f"{path} holds no samples")
+    return out
+
+
+def write_jsonl(samples: Iterable[Sample | dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_dict() if isinstance(s, Sample) else s, ensure_ascii=False) + "\n")
+    return path
+
+
+# ---- prompts ----
+
+def user_message(sample: Sample) -> str:
+    parts = [p for p in (sample.context.strip("\n"), sample.question.strip("\n")) if p.strip()]
+    return "\n\n".join(parts)
+
+
+def prompt_text(tokenizer, sample: Sample) -> str:
+    """The text the model is prefilled with: the chat template when the tokenizer has one."""
+    message = user_message(sample)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True)
+        return text + sample.answer_prefix
+    return message + ("\n\n" + sample.answer_prefix if sample.answer_prefix else "\n\nAnswer:")
+
+
+def encode_prompt(tokenizer, sample: Sample) -> list[int]:
+    text = prompt_text(tokenizer, sample)
+    # a chat template already writes its special tokens as text; adding them again would double the BOS
+    special = not getattr(tokenizer, "chat_template", None)
+    return tokenizer(text, add_special_tokens=special).input_ids
+
+
+def generation_budget(tokenizer, sample: Sample, floor: int | None = None) -> int:
+    """New tokens to allow: the sample's max_new_tokens, never less; when the sample did not set one,
+    raised to fit its longest answer (plus a little room) so a correct answer is never cut off."""
+    n = sample.max_new_tokens
+    if not sample.max_new_tokens_given:
+        lengths = [len(tokenizer(" " + a, add_special_tokens=False).input_ids) for a in sample.answers]
+        need = sum(lengths) + 2 * len(lengths) if sample.metric == "all" else max(lengths) + 4
+        n = max(n, need)
+    if floor is not None:
+        n = max(n, floor)
+    return n

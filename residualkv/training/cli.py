@@ -1,0 +1,137 @@
+"""`rkv train`: pack the data, train a codec for a backbone, save it to <run dir>/codec.
+
+    rkv train --backbone smollm2-135m --minutes 60
+    rkv train --backbone smollm2-135m --steps 400 --loss rec --out data/codecs/smollm2-135m/rec-only
+
+Rerunning the same command continues an interrupted run from its last checkpoint (the default run
+name depends only on the settings); --restart discards the checkpoints instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .packing import pack_documents, resolve_source
+from .trainer import CHECKPOINTS, LOSSES, REC_REDUCTIONS, TrainConfig, train_codec
+
+
+def register(subparsers) -> None:
+    t = subparsers.add_parser("train", help="train a ResidualKV codec on a frozen backbone",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--backbone", default="smollm2-135m", help="registered name, backbone YAML, local folder or HF id")
+    t.add_argument("--data", default="offline", help="'offline' (default), a folder/file of .txt/.jsonl, or a datasets name")
+    t.add_argument("--text-field", default="text", help="text column of JSONL rows / hub datasets")
+    t.add_argument("--data-config", default=None, help="hub dataset config name")
+    t.add_argument("--data-split", default="train", help="hub dataset split")
+    t.add_argument("--max-documents", type=int, default=None, help="use only the first N hub documents")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the LR schedule length)")
+    t.add_argument("--minutes", type=float, default=None,
+                   help="time budget; without --steps the schedule length is planned from the measured step time")
+    t.add_argument("--batch-size", type=int, default=1)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--lr", type=float, default=2e-4)
+    t.add_argument("--warmup-frac", type=float, default=0.02)
+    t.add_argument("--loss", default="rec+ntp", choices=LOSSES, help="rec: L_rec only (the ablation)")
+    t.add_argument("--rec-reduction", default="sum", choices=REC_REDUCTIONS,
+                   help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE")
+    t.add_argument("--rec-weight", type=float, default=1.0, help="L = rec_weight * L_rec + L_ntp")
+    t.add_argument("--init", default="default", choices=("default", "zero-decoder"))
+    t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
+    t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
+    t.add_argument("--d-ff", type=int, default=None, help="SwiGLU width (default: the backbone YAML's)")
+    t.add_argument("--out", default=None, help="run directory (default: <data>/codecs/<backbone>/<run-name>)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--bf16", action="store_true", help="bf16 autocast (accelerate mixed precision)")
+    t.add_argument("--grad-checkpointing", action="store_true", help="recompute the backbone's MLPs in backward")
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--ckpt-every", type=int, default=50)
+    t.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored at the end")
+    t.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 can be faster on a busy machine)")
+    t.add_argument("--restart", action="store_true", help="delete this run's checkpoints instead of resuming")
+    t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    t.set_defaults(func=cmd_train)
+
+
+def run_name(args, source_name: str) -> str:
+    """Depends only on the settings, so the same command finds (and resumes) the same run."""
+    name = f"{args.loss.replace('+', '-')}-int{args.bits}-L{args.seq_len}-seed{args.seed}"
+    if args.rec_reduction != "sum" or args.rec_weight != 1.0:
+        name += f"-rec{args.rec_reduction}{args.rec_weight:g}"
+    if source_name != "offline":
+        name += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(source_name).name)[:40]
+    return name
+
+
+def cmd_train(args) -> int:
+    from ..backbones import load_backbone
+    from ..cli import base_config, codecs_dir
+    from ..codec import ResidualCodec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, spec = load_backbone(args.backbone)
+    backbone = spec.name if spec else re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.backbone)).name)
+    codec_defaults = spec.codec if spec else {}
+    d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")
+    if not d_c or not d_ff:
+        raise SystemExit(f"{args.backbone} is not a registered backbone: pass the codec size with --d-c and --d-ff "
+                         "(e.g. d_c = 2*d_k/4 and d_ff = 3*2*d_k, as in configs/backbones/smollm2-135m.yaml)")
+    cache_config = base_config(spec)
+    args.bits = args.bits or cache_config.bits
+    cache_config = cache_config.replace(bits=args.bits)
+
+    config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
+                         grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
+                         rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
+                         grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
+                         ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
+    source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,
+                            max_documents=args.max_documents)
+    packed = pack_documents(source, tokenizer, args.seq_len)
+    print(f"[rkv train] data: {packed.meta['train_blocks']} training and {packed.meta['heldout_blocks']} held-out "
+          f"blocks of {args.seq_len} tokens from {source.name} ({packed.path})", flush=True)
+
+    out = Path(args.out) if args.out else codecs_dir(backbone) / run_name(args, source.name)
+    if args.restart and (out / CHECKPOINTS).exists():
+        shutil.rmtree(out / CHECKPOINTS)
+    out.mkdir(parents=True, exist_ok=True)
+    codec = ResidualCodec.for_model(model.config, cache_config, d_c=d_c, d_ff=d_ff, backbone=backbone, seed=args.seed)
+    metrics_file = out / "metrics.jsonl"
+
+    def log_metrics(step: int, metrics: dict) -> None:  # the pipeline swaps this for MLflow
+        with open(metrics_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    data_info = {"source": source.name, "fingerprint": packed.meta["fingerprint"], "seq_len": args.seq_len,
+                 "train_blocks": packed.meta["train_blocks"], "heldout_blocks": packed.meta["heldout_blocks"]}
+    result = train_codec(model, codec, packed.train, out, config, heldout_data=packed.heldout, data_info=data_info,
+                         on_metrics=log_metrics)
+    summary = {"codec": str(result.codec_path), "steps": result.steps, "total_steps": result.total_steps,
+               "tokens": result.tokens, "train_seconds": round(result.seconds, 1), "resumed_from": result.resumed_from,
+               "stopped_early": result.stopped_early, **result.metrics}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        ev = result.metrics
+        quality = (f"; held-out next-token loss {ev['eval/ntp_codec']:.4f} vs full cache {ev['eval/ntp_full']:.4f} "
+                   f"(perplexity x{ev['eval/ppl_ratio']:.4f})") if ev else ""
+        print(f"[rkv train] {result.steps}/{result.total_steps} steps, {result.tokens:,} tokens in "
+              f"{result.seconds / 60:.1f} min{quality}")
+        print(f"[rkv train] codec saved to {result.codec_path}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m residualkv.training.cli ... (same as `rkv train ...`)
+    parser = argparse.ArgumentParser(prog="python -m residualkv.training.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["train", *sys.argv[1:]])
+    sys.exit(ns.func(ns))

@@ -1,0 +1,592 @@
+"""Train a ResidualKV codec on a frozen backbone (seed §2.9).
+
+    L = w · L_rec + L_ntp        (w = rec_weight, 1 by default: the seed's L = L_rec + L_ntp)
+
+L_ntp is the next-token cross-entropy of the backbone run with a ResidualKVCache, i.e. every layer
+attends over the *reconstructed* keys and values of the sequence (codes quantised to `bits` with a
+straight-through estimator), so its gradient reaches the codec through the frozen backbone.
+L_rec is the squared error between each compressed layer's true pre-RoPE kv and its reconstruction,
+summed over layers, tokens and coordinates as the seed writes it (`rec_reduction="sum"`, averaged
+over the sequences of a batch), or the mean per coordinate (`"mean"`, an MSE). Both are taken from
+the same forward pass (the cache's `collect_rec_loss` hook).
+
+Only the codec trains: the backbone's parameters have requires_grad=False and it stays in eval mode.
+`accelerate` places the work, runs bf16 autocast and gradient accumulation, and scales out under
+`accelerate launch` (the codec is all that DDP synchronises). The run directory holds
+
+    checkpoints/step-N/   codec weights, optimizer, scheduler, RNG states, data position (last 2 kept)
+    codec/                the trained codec (ResidualCodec.save), written at the end
+
+and a run started on a directory with checkpoints resumes from the newest one, on the same data order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+
+from ..cache import ResidualKVCache
+from ..codec import ResidualCodec
+
+LOSSES = ("rec+ntp", "rec", "ntp")
+REC_REDUCTIONS = ("sum", "mean")
+CHECKPOINTS = "checkpoints"
+CODEC = "codec"
+STATE = "trainer_state.json"
+# Config fields a resumed run must share with the run it continues (the rest may change between runs).
+RESUME_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_frac", "weight_decay", "loss",
+                 "rec_reduction", "rec_weight", "seed", "init")
+
+
+class TrainError(ValueError):
+    """Training cannot start or continue; the message names the setting and how to fix it."""
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 512
+    steps: int | None = None  # optimizer steps; fixes the LR schedule length
+    minutes: float | None = None  # wall-clock budget of this invocation (see CodecTrainer.plan)
+    batch_size: int = 1
+    grad_accum: int = 1
+    lr: float = 2e-4
+    warmup_frac: float = 0.02
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    loss: str = "rec+ntp"
+    rec_reduction: str = "sum"
+    rec_weight: float = 1.0
+    init: str = "default"  # "default" (nn.Linear init) or "zero-decoder" (start at kv_hat = mean_ref)
+    bf16: bool = False
+    grad_checkpointing: bool = False
+    seed: int = 0
+    log_every: int = 10
+    ckpt_every: int = 50
+    keep_checkpoints: int = 2
+    eval_blocks: int = 8  # held-out blocks scored at the end (0: none)
+
+    def __post_init__(self) -> None:
+        _check(self.seq_len >= 2, "seq_len", self.seq_len, "use at least 2 tokens per sequence")
+        _check(self.steps is not None or self.minutes is not None, "steps", self.steps,
+               "pass --steps N (schedule length) or --minutes M (time budget), or both")
+        _check(self.steps is None or self.steps >= 1, "steps", self.steps, "train at least one step")
+        _check(self.minutes is None or self.minutes > 0, "minutes", self.minutes, "give a positive time budget")
+        for name in ("batch_size", "grad_accum", "log_every", "ckpt_every", "keep_checkpoints"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "use a positive integer")
+        _check(self.lr > 0, "lr", self.lr, "use a positive learning rate (seed: 2e-4)")
+        _check(0 <= self.warmup_frac < 1, "warmup_frac", self.warmup_frac, "use a fraction in [0, 1) (seed: 0.02)")
+        _check(self.loss in LOSSES, "loss", self.loss, f"choose one of {LOSSES}")
+        _check(self.rec_reduction in REC_REDUCTIONS, "rec_reduction", self.rec_reduction, f"choose one of {REC_REDUCTIONS}")
+        _check(self.rec_weight >= 0, "rec_weight", self.rec_weight, "use a non-negative weight")
+        _check(self.init in ("default", "zero-decoder"), "init", self.init, "choose 'default' or 'zero-decoder'")
+        _check(self.eval_blocks >= 0, "eval_blocks", self.eval_blocks, "use 0 or more held-out blocks")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise TrainError(f"invalid {name}={value!r}: {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective: one module holding the trainable codec and the frozen backbone, so accelerate wraps a
+# single forward (DDP hooks, autocast) and DDP sees only the codec's parameters (the others need no grad).
+
+
+class CodecObjective(nn.Module):
+    def __init__(self, model: nn.Module, codec: ResidualCodec, config: TrainConfig):
+        super().__init__()
+        self.model, self.codec = model, codec
+        self.loss_kind, self.rec_reduction, self.rec_weight = config.loss, config.rec_reduction, config.rec_weight
+        # training reconstructs every token (the paper trains the codec standalone, whatever mode serves it)
+        self.cache_config = codec.config.replace(mode="standalone")
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        cache = ResidualKVCache.from_model(self.model, self.codec, self.cache_config)
+        terms = cache.collect_rec_loss()
+        wants_ntp = self.loss_kind != "rec"
+        # logits_to_keep=1 under --loss rec: the KV is all it needs, so skip most of the LM head
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True,
+                         labels=input_ids if wants_ntp else None, logits_to_keep=0 if wants_ntp else 1)
+        rec = self._reduce(torch.stack(terms).sum(), input_ids) if terms else input_ids.new_zeros((), dtype=torch.float32)
+        ntp = out.loss.float() if wants_ntp else rec.new_zeros(())
+        loss = {"rec+ntp": self.rec_weight * rec + ntp, "rec": rec, "ntp": ntp}[self.loss_kind]
+        return {"loss": loss, "rec": rec.detach(), "ntp": ntp.detach()}
+
+    def _reduce(self, total: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        if self.rec_reduction == "sum":  # the seed's sum over layers and tokens, per sequence
+            return total / B
+        return total / (B * T * len(self.codec.layer_ids) * self.codec.dims.d_kv)
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """No parameter of the backbone trains, and eval mode turns off dropout (gradients still flow through it)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+
+
+def enable_mlp_checkpointing(model: nn.Module) -> int:
+    """Recompute each decoder layer's MLP in the backward pass instead of keeping its activations.
+
+    transformers' own `gradient_checkpointing_enable` cannot be used here: it checkpoints whole decoder
+    layers and therefore drops the cache (`cache=None`), so the forward would silently attend over the
+    true KV and the codec would get no gradient; replaying attention would also write the cache twice.
+    The MLP is stateless and holds most of a layer's activations, so it is the part worth recomputing.
+    Returns the number of wrapped MLPs.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None or not all(hasattr(layer, "mlp") for layer in layers):
+        raise TrainError(f"grad_checkpointing: {type(model).__name__} has no `model.layers[i].mlp`; "
+                         "run without --grad-checkpointing")
+    for layer in layers:
+        mlp = layer.mlp
+        if getattr(mlp, "_rkv_checkpointed", False):
+            continue
+        plain = mlp.forward
+        # use_reentrant=False: works although the frozen inputs' parameters need no grad
+        mlp.forward = lambda x, _f=plain: checkpoint(_f, x, use_reentrant=False) if torch.is_grad_enabled() else _f(x)
+        mlp._rkv_checkpointed = True
+    return len(layers)
+
+
+def zero_decoders(codec: ResidualCodec) -> None:
+    """W_d = 0: the untrained codec reconstructs kv_hat = mean_ref (the references' mean), a sane start
+    instead of random noise; the first step gives W_d a gradient and then the encoder follows."""
+    for layer in codec.layers.values():
+        if hasattr(layer, "w_d"):
+            nn.init.zeros_(layer.w_d.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order: a seeded permutation per epoch, entered at any offset, so a resumed run reads exactly
+# the batches the interrupted one would have read.
+
+
+class EpochSampler(Sampler[int]):
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.offset = 0, 0
+
+    def set_position(self, epoch: int, offset: int) -> None:
+        self.epoch, self.offset = epoch, offset
+
+    def order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self):
+        return iter(self.order(self.epoch)[self.offset :])
+
+    def __len__(self) -> int:
+        return max(self.n - self.offset, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Everything besides tensors that a checkpoint must restore."""
+
+    step: int = 0  # optimizer steps done
+    total_steps: int = 0  # LR schedule length
+    epoch: int = 0
+    micro_in_epoch: int = 0  # global micro-batches consumed in this epoch (the data position)
+    tokens: int = 0
+    train_seconds: float = 0.0  # summed over all invocations
+    history: list[list[float]] = field(default_factory=list)  # [step, loss, rec, ntp] per logged window
+
+
+@dataclass
+class TrainResult:
+    codec_path: Path
+    steps: int
+    total_steps: int
+    tokens: int
+    seconds: float
+    resumed_from: int | None
+    stopped_early: bool
+    metrics: dict[str, float]
+
+
+def linear_warmup_decay(total_steps: int, warmup_frac: float) -> Callable[[int], float]:
+    warmup = max(1, round(warmup_frac * total_steps)) if warmup_frac > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return factor
+
+
+class CodecTrainer:
+    """Train `codec` on `train_data` (a datasets.Dataset of `input_ids` blocks) with `model` frozen.
+
+    `on_metrics(step, metrics)` is called every `log_every` optimizer steps and once at the end.
+    `data_info` is recorded in the codec's metadata (source, fingerprint, seq_len).
+    """
+
+    def __init__(self, model: nn.Module, codec: ResidualCodec, train_data, out_dir: str | Path,
+                 config: TrainConfig, *, heldout_data=None, data_info: dict[str, Any] | None = None,
+                 on_metrics: Callable[[int, dict[str, float]], None] | None = None, progress: bool = True):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        from accelerate.utils import GradientAccumulationPlugin
+
+        self.config, self.out_dir = config, Path(out_dir)
+        self.heldout_data, self.data_info = heldout_data, dict(data_info or {})
+        self.on_metrics, self.progress = on_metrics, progress
+        self.start_time = time.monotonic()
+        self._check_data(train_data)
+        # accelerate keeps process-wide singletons; a trainer owns precision and accumulation for its run,
+        # so forget those of an earlier run in this process (the process group, PartialState, stays).
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        # sync_with_dataloader=False: accumulation windows run on across epoch ends, so the data
+        # position alone says where a resumed run stands.
+        self.accelerator = Accelerator(
+            mixed_precision="bf16" if config.bf16 else "no",
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.grad_accum,
+                                                                    sync_with_dataloader=False))
+        torch.manual_seed(config.seed)
+        freeze_backbone(model)
+        if config.grad_checkpointing:
+            enable_mlp_checkpointing(model)
+        if config.init == "zero-decoder":
+            zero_decoders(codec)
+        self.state = TrainState()
+        self.resumed_from = self._latest_checkpoint()
+        if self.resumed_from is not None:
+            self._load_codec_weights(codec, self.resumed_from)
+        self.codec, self.train_data = codec, train_data
+        self.sampler = EpochSampler(len(train_data), config.seed)
+        loader = DataLoader(train_data.with_format("torch", columns=["input_ids"]), batch_size=config.batch_size,
+                            sampler=self.sampler, drop_last=True)
+        optimizer = torch.optim.AdamW([p for p in codec.parameters() if p.requires_grad], lr=config.lr,
+                                      weight_decay=config.weight_decay)
+        self.objective, self.optimizer, self.loader = self.accelerator.prepare(
+            CodecObjective(model, codec, config), optimizer, loader)
+        self.scheduler = None  # built by plan() once the schedule length is known
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def _check_data(self, train_data) -> None:
+        if "input_ids" not in train_data.column_names or len(train_data) == 0:
+            raise TrainError("train_data must be a non-empty datasets.Dataset with an `input_ids` column "
+                             "(see residualkv.training.packing.pack_documents)")
+        n = len(train_data[0]["input_ids"])
+        if n != self.config.seq_len:
+            raise TrainError(f"seq_len={self.config.seq_len} but the packed blocks hold {n} tokens; "
+                             "pack the data with the same seq_len")
+        if len(train_data) < self.config.batch_size:
+            raise TrainError(f"batch_size={self.config.batch_size} exceeds the {len(train_data)} training blocks; "
+                             "use a smaller --batch-size or more data")
+
+    def plan(self) -> None:
+        """Fix the LR schedule length: --steps when given; otherwise the steps that fit in --minutes at the
+        step time measured on two calibration steps (which do not update the codec). A resumed run keeps
+        the length it was planned with."""
+        cfg = self.config
+        if self.resumed_from is not None:
+            self._load_state(self.resumed_from)
+            if cfg.steps is not None and cfg.steps != self.state.total_steps:
+                raise TrainError(f"steps={cfg.steps} but the run in {self.out_dir} was planned with "
+                                 f"{self.state.total_steps}; pass --steps {self.state.total_steps} to resume it, "
+                                 "or use a new --out")
+        elif cfg.steps is not None:
+            self.state.total_steps = cfg.steps
+        else:
+            step_s = self._calibrate()
+            budget = cfg.minutes * 60 - self.elapsed() - self._reserve_seconds(step_s)
+            self.state.total_steps = max(1, int(0.97 * budget / step_s))
+            self._say(f"measured {step_s:.1f}s per optimizer step: planning {self.state.total_steps} steps "
+                      f"for the {cfg.minutes:g}-minute budget")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer.optimizer, linear_warmup_decay(self.state.total_steps, cfg.warmup_frac))
+        if self.resumed_from is not None:  # after the scheduler exists, so the restored LR is the one in force
+            self._load_tensors(self.resumed_from)
+
+    def _calibrate(self) -> float:
+        rows = self.train_data.with_format("torch", columns=["input_ids"])[: self.config.batch_size]
+        batch = rows["input_ids"].to(self.accelerator.device)
+        times = []
+        for _ in range(2):  # the first pass pays for allocation and warm-up; time the second
+            t0 = time.perf_counter()
+            self.accelerator.backward(self.objective(batch)["loss"])
+            times.append(time.perf_counter() - t0)
+        self.optimizer.zero_grad(set_to_none=True)
+        return times[-1] * self.config.grad_accum
+
+    def _reserve_seconds(self, step_s: float) -> float:
+        """Time kept back from the budget for the final held-out evaluation and the final saves.
+
+        Scoring a block (two no-grad forwards) costs about one micro-step; writing the checkpoint and the
+        codec costs well under two steps (the weights are small next to a step's activations)."""
+        n_eval = min(self.config.eval_blocks, len(self.heldout_data) if self.heldout_data is not None else 0)
+        return (n_eval / self.config.grad_accum + 2) * step_s + 1.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def _out_of_time(self, step_s: float) -> bool:
+        if self.config.minutes is None:
+            return False
+        return self.elapsed() + step_s + self._reserve_seconds(step_s) > self.config.minutes * 60
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        self.plan()
+        cfg, st = self.config, self.state
+        if self.resumed_from is not None:
+            self._say(f"resuming from {self.resumed_from} (step {st.step} of {st.total_steps})")
+        bar = self._bar()
+        window: list[dict[str, float]] = []
+        stopped_early, step_s = False, 0.0
+        t_step = time.perf_counter()
+        micro: list[dict[str, float]] = []
+        while st.step < st.total_steps and not stopped_early:
+            self.sampler.set_position(st.epoch, st.micro_in_epoch * cfg.batch_size * self.accelerator.num_processes)
+            for batch in self.loader:
+                micro.append(self._micro_step(batch["input_ids"]))
+                st.micro_in_epoch += 1
+                st.tokens += batch["input_ids"].numel() * self.accelerator.num_processes
+                if not self.accelerator.sync_gradients:
+                    continue
+                self._optimizer_step(micro)
+                window.append(_mean(micro))
+                micro = []
+                step_s = time.perf_counter() - t_step
+                t_step = time.perf_counter()
+                st.train_seconds += step_s
+                st.step += 1
+                bar.update(1)
+                bar.set_postfix({k: f"{window[-1][k]:.4g}" for k in ("loss", "rec", "ntp")})
+                if st.step % cfg.log_every == 0 or st.step == st.total_steps:
+                    self._log(window, step_s)
+                    window = []
+                if st.step % cfg.ckpt_every == 0 and st.step < st.total_steps:
+                    self.save_checkpoint()
+                if st.step >= st.total_steps:
+                    break
+                if self._out_of_time(step_s):
+                    stopped_early = True
+                    self._say(f"time budget of {cfg.minutes:g} min reached at step {st.step} of {st.total_steps}: "
+                              "stopping and saving the codec")
+                    break
+            else:  # the epoch ran out
+                st.epoch, st.micro_in_epoch = st.epoch + 1, 0
+        bar.close()
+        if window:
+            self._log(window, step_s)
+        self.save_checkpoint()
+        metrics = self.evaluate()
+        if metrics and self.on_metrics is not None and self.accelerator.is_main_process:
+            self.on_metrics(st.step, metrics)
+        path = self.save_codec(stopped_early, metrics)
+        return TrainResult(codec_path=path, steps=st.step, total_steps=st.total_steps, tokens=st.tokens,
+                           seconds=st.train_seconds, resumed_from=self._step_of(self.resumed_from),
+                           stopped_early=stopped_early, metrics=metrics)
+
+    def _micro_step(self, input_ids: torch.Tensor) -> dict[str, float]:
+        with self.accelerator.accumulate(self.objective):
+            out = self.objective(input_ids)
+            self.accelerator.backward(out["loss"])
+        return {k: float(v.detach()) for k, v in out.items()}
+
+    def _optimizer_step(self, micro: list[dict[str, float]]) -> None:
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
+        norm = self.accelerator.clip_grad_norm_(self.codec.parameters(), max_norm)
+        micro[-1]["grad_norm"] = float(norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _log(self, window: list[dict[str, float]], step_s: float) -> None:
+        st = self.state
+        m = _mean(window)
+        st.history.append([st.step, m["loss"], m["rec"], m["ntp"]])
+        tokens_per_step = self.config.seq_len * self.config.batch_size * self.config.grad_accum * self.accelerator.num_processes
+        metrics = m | {"lr": self.scheduler.get_last_lr()[0], "tokens": st.tokens, "step_seconds": step_s,
+                       "tokens_per_second": tokens_per_step / step_s if step_s else 0.0, "epoch": st.epoch}
+        if self.on_metrics is not None and self.accelerator.is_main_process:
+            self.on_metrics(st.step, metrics)
+
+    def _bar(self):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.state.total_steps, initial=self.state.step, desc="training codec", unit="step",
+                    disable=not (self.progress and self.accelerator.is_local_main_process), dynamic_ncols=True)
+
+    # ---- evaluation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Next-token loss on held-out blocks with the full cache and with this codec's compressed cache."""
+        n = min(self.config.eval_blocks, len(self.heldout_data) if self.heldout_data is not None else 0)
+        if n == 0:
+            return {}
+        objective = self.accelerator.unwrap_model(self.objective)
+        model, codec = objective.model, objective.codec
+        full, rkv = [], []
+        for row in self.heldout_data.select(range(n)).with_format("torch", columns=["input_ids"]):
+            ids = row["input_ids"][None].to(self.accelerator.device)
+            with self.accelerator.autocast():
+                full.append(float(model(input_ids=ids, labels=ids).loss))
+                cache = ResidualKVCache.from_model(model, codec, objective.cache_config)
+                rkv.append(float(model(input_ids=ids, cache=cache, use_cache=True, labels=ids).loss))
+        f, r = sum(full) / n, sum(rkv) / n
+        return {"eval/ntp_full": f, "eval/ntp_codec": r, "eval/ppl_ratio": math.exp(r - f), "eval/blocks": n}
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def _checkpoints(self) -> list[Path]:
+        root = self.out_dir / CHECKPOINTS
+        found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE).is_file()] if root.is_dir() else []
+        return sorted(found, key=self._step_of)
+
+    @staticmethod
+    def _step_of(path: Path | None) -> int | None:
+        return None if path is None else int(path.name.split("-", 1)[1])
+
+    def _latest_checkpoint(self) -> Path | None:
+        found = self._checkpoints()
+        return found[-1] if found else None
+
+    def save_checkpoint(self) -> None:
+        """Write checkpoints/step-N atomically (a temporary folder renamed into place); keep the newest few."""
+        self.accelerator.wait_for_everyone()
+        if not self.accelerator.is_main_process:
+            return
+        root = self.out_dir / CHECKPOINTS
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{self.state.step}"
+        if final.exists():  # e.g. the end of a run that resumed exactly here
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is as readable as its run folder
+        codec = self.accelerator.unwrap_model(self.objective).codec
+        save_file({k: v.detach().contiguous().cpu() for k, v in codec.state_dict().items()}, str(tmp / "codec.safetensors"))
+        torch.save(self.optimizer.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(_rng_states(), tmp / "rng.pt")
+        state = dataclasses.asdict(self.state) | {"config": self.config.to_dict(), "data": self.data_info,
+                                                 "num_processes": self.accelerator.num_processes}
+        (tmp / STATE).write_text(json.dumps(state, indent=1))  # last: its presence marks a whole checkpoint
+        os.replace(tmp, final)
+        for old in self._checkpoints()[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob(".step-*"):  # temporary folders of a run killed mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def _load_codec_weights(self, codec: ResidualCodec, ckpt: Path) -> None:
+        codec.load_state_dict(load_file(str(ckpt / "codec.safetensors")))
+
+    def _load_state(self, ckpt: Path) -> None:
+        saved = json.loads((ckpt / STATE).read_text())
+        for name in RESUME_FIELDS:
+            ours, theirs = getattr(self.config, name), saved["config"].get(name)
+            if ours != theirs:
+                raise TrainError(f"{name}={ours!r} but the run in {self.out_dir} used {theirs!r}; pass the same value "
+                                 "to resume it, or use a new --out (or --restart) to start over")
+        for key in ("fingerprint", "source"):
+            if key in self.data_info and self.data_info[key] != saved["data"].get(key):
+                raise TrainError(f"data {key} {self.data_info[key]!r} differs from {saved['data'].get(key)!r} used by "
+                                 f"the run in {self.out_dir}; pass the same --data/--seq-len or use a new --out")
+        if saved["num_processes"] != self.accelerator.num_processes:
+            raise TrainError(f"the run in {self.out_dir} used {saved['num_processes']} processes, this one "
+                             f"{self.accelerator.num_processes}; resume with the same `accelerate launch` setup")
+        fields = {f.name for f in dataclasses.fields(TrainState)}
+        self.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
+
+    def _load_tensors(self, ckpt: Path) -> None:
+        self.optimizer.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+        _set_rng_states(torch.load(ckpt / "rng.pt", weights_only=False))
+
+    # ---- the result -------------------------------------------------------------------------------
+
+    def save_codec(self, stopped_early: bool, metrics: dict[str, float]) -> Path:
+        path = self.out_dir / CODEC
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            codec = self.accelerator.unwrap_model(self.objective).codec
+            codec.extra = dict(codec.extra) | {"training": self.summary(stopped_early, metrics)}
+            codec.save(path)
+        return path
+
+    def summary(self, stopped_early: bool, metrics: dict[str, float]) -> dict[str, Any]:
+        st, cfg = self.state, self.config
+        hist = st.history
+
+        def avg(rows):
+            return {k: sum(r[i] for r in rows) / len(rows) for i, k in ((1, "loss"), (2, "rec"), (3, "ntp"))} if rows else {}
+
+        stride = max(1, math.ceil(len(hist) / 100))
+        return {
+            "steps": st.step, "total_steps": st.total_steps, "stopped_early": stopped_early, "tokens": st.tokens,
+            "train_seconds": round(st.train_seconds, 1), "loss": cfg.loss, "rec_reduction": cfg.rec_reduction,
+            "rec_weight": cfg.rec_weight, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+            "grad_accum": cfg.grad_accum, "lr": cfg.lr, "seed": cfg.seed, "bits": self.codec.config.bits,
+            "init": cfg.init, "bf16": cfg.bf16, "data": self.data_info,
+            "loss_first": avg(hist[:3]), "loss_last": avg(hist[-3:]),
+            "loss_history": [[round(v, 6) for v in row] for row in hist[::stride]],
+            "eval": metrics,
+        }
+
+    def _say(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            print(f"[rkv train] {message}", flush=True)
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = set().union(*rows)
+    return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}
+
+
+def _rng_states() -> dict[str, Any]:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str | Path, config: TrainConfig,
+                **kwargs) -> TrainResult:
+    """Train (or resume training) and save the codec to `out_dir/codec`. See CodecTrainer."""
+    return CodecTrainer(model, codec, train_data, out_dir, config, **kwargs).train()
+
+
+__all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
+           "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]

@@ -1,0 +1,383 @@
+"""The evaluation harness (issue #3 item 3): synthetic tasks, scoring, loaders, SnapKV, output contract.
+
+Unit tests use the tiny random Llama from conftest with the real SmolLM2 tokenizer (loaded alone, cheap);
+one integration test runs the real SmolLM2 at 512 tokens (full vs kivi4) through `rkv eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+
+from residualkv.evaluation import Sample, encode_prompt, evaluate, load_jsonl, score
+from residualkv.evaluation.harness import build_method_cache, greedy, measure, summarize
+from residualkv.evaluation.hub import load_benchmark, parse_suite, rows_to_samples
+from residualkv.evaluation.report import CONTRACT, write_outputs
+from residualkv.evaluation.samples import generation_budget, prompt_text, write_jsonl
+from residualkv.evaluation.synthetic import TASKS, LengthError, SyntheticGenerator, TaskConfig, insert_at_depths
+from residualkv.snapkv import SnapKVCache, snapkv_report
+
+from .conftest import tiny_llama_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOL = ROOT / "data" / "backbones" / "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if not (SMOL / "tokenizer.json").is_file():
+        pytest.skip("SmolLM2 is not cached: run `python -m residualkv.backbones fetch smollm2-135m`")
+    return AutoTokenizer.from_pretrained(SMOL)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tok):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=len(tok), max_position_embeddings=2048, num_hidden_layers=2)).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic tasks
+
+SMALL = {  # the registered tasks at sizes that fit a 384-token prompt
+    "cwe": TaskConfig("cwe", "cwe", {"n_common": 3, "freq_common": 6, "freq_rare": 2}, 16),
+    "cwe_ruler": TaskConfig("cwe_ruler", "cwe", {"n_common": 4, "freq_common": 5, "freq_rare": 3}, 16),
+    "fwe": TaskConfig("fwe", "fwe", {"alpha": 2.0, "word_len": 5, "vocab": 12}, 16),
+}
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [384, 700])
+def test_synthetic_hits_exact_length_and_holds_its_answers(tok, task, length):
+    gen = SyntheticGenerator(tok, seed=3)
+    cfg = SMALL.get(task, TASKS[task])
+    s = gen.sample(cfg, length, 0)
+    assert len(encode_prompt(tok, s)) == length
+    for a in s.answers:
+        assert a in s.context, (task, a)
+    assert s.answer_prefix and s.metric == "all"
+
+
+def test_synthetic_is_deterministic_and_seeded(tok):
+    a = SyntheticGenerator(tok, seed=1).sample("niah_multikey", 400, 2)
+    b = SyntheticGenerator(tok, seed=1).sample("niah_multikey", 400, 2)
+    c = SyntheticGenerator(tok, seed=2).sample("niah_multikey", 400, 2)
+    assert a.context == b.context and a.answers == b.answers
+    assert a.answers != c.answers
+
+
+def test_synthetic_answers_are_well_formed(tok):
+    gen = SyntheticGenerator(tok, seed=0)
+    mv = gen.sample("niah_multivalue", 500, 0)
+    assert len(mv.answers) == 4 and all(len(a) == 7 and a.isdigit() for a in mv.answers)
+    mq = gen.sample("niah_multiquery", 500, 0)
+    assert len(mq.answers) == 4 and mq.context.count("One of the special magic numbers") == 4
+    vt = gen.sample("vt", 500, 0)
+    assert len(vt.answers) == 5 and all(f"VAR {v} =" in vt.context for v in vt.answers)
+    kv = gen.sample("kv_retrieval", 500, 0)
+    assert kv.answers[0] in kv.context and kv.answers[0] not in kv.question
+    fwe = gen.sample(SMALL["fwe"], 500, 0)
+    counts = [fwe.context.split().count(w) for w in fwe.answers]
+    assert counts == sorted(counts, reverse=True) and counts[2] > 0
+
+
+def test_synthetic_refuses_a_context_too_short(tok):
+    with pytest.raises(LengthError):
+        SyntheticGenerator(tok).sample("cwe", 200, 0)
+
+
+def test_needles_land_between_sentences():
+    text = insert_at_depths("A b. C d. E f. G h.", ["N1.", "N2."], [0.0, 1.0])
+    assert text == "N1. A b. C d. E f. G h. N2."
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring, JSONL, prompts
+
+def test_string_match_scoring():
+    assert score("The numbers are 123 and 456.", ["123", "456"], "all") == 1.0
+    assert score("the numbers are 123", ["123", "456"], "all") == 0.5
+    assert score("ABC", ["abc"], "all") == 1.0  # case-insensitive, like RULER
+    assert score("only 456", ["123", "456"], "any") == 1.0
+    assert score("nothing", ["123", "456"], "any") == 0.0
+
+
+def test_jsonl_loader_defaults_and_max_new_tokens(tmp_path, tok):
+    path = write_jsonl([
+        {"id": "a", "context": "ctx", "question": "q?", "answers": ["x"]},
+        {"id": "b", "context": "ctx", "question": "q?", "answers": "y", "max_new_tokens": 70, "metric": "any"},
+        {"id": "c", "context": "ctx", "question": "q?", "answers": ["word " * 40]},
+    ], tmp_path / "t.jsonl")
+    a, b, c = load_jsonl(path)
+    assert a.task == "t" and a.max_new_tokens == 32 and a.metric == "all"
+    assert b.answers == ["y"] and b.metric == "any"
+    assert generation_budget(tok, a) == 32
+    assert generation_budget(tok, b) == 70  # a row's own budget is respected ...
+    assert generation_budget(tok, b, floor=16) == 70  # ... and never lowered
+    assert generation_budget(tok, c) >= 40  # the default grows to fit a long answer
+
+
+def test_jsonl_loader_rejects_bad_rows(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "context": "c", "question": "q"}\n')
+    with pytest.raises(ValueError, match="answers"):
+        load_jsonl(bad)
+
+
+def test_generation_respects_max_new_tokens(tiny_lm, tok):
+    s = Sample(id="x", task="t", context="hello " * 20, question="q?", answers=["zzz"], max_new_tokens=40)
+    g = greedy(tiny_lm, tok, DynamicCache(config=tiny_lm.config), encode_prompt(tok, s), 40, stop_ids=set())
+    assert len(g.token_ids) == 40
+
+
+def test_chat_template_is_applied(tok):
+    s = Sample(id="x", task="t", context="CTX", question="QQ", answers=["a"], answer_prefix="Answer:")
+    text = prompt_text(tok, s)
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\nAnswer:")
+    assert "CTX\n\nQQ" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# hub loaders on local fixtures in each benchmark's layout
+
+def test_longbench_layout_from_local_jsonl_and_parquet(tmp_path):
+    rows = [{"input": "Who?", "context": "Alice met Bob.", "answers": ["Alice", "alice"], "length": 3,
+             "dataset": "hotpotqa", "language": "en", "all_classes": None, "_id": "id0"},
+            {"input": "Where?", "context": "In Paris.", "answers": ["Paris"], "length": 2,
+             "dataset": "hotpotqa", "language": "en", "all_classes": None, "_id": "id1"}]
+    jl = write_jsonl(rows, tmp_path / "lb.jsonl")
+    samples = load_benchmark("longbench", "hotpotqa", data_files=jl)
+    assert [s.id for s in samples] == ["id0", "id1"]
+    s = samples[0]
+    assert s.task == "longbench/hotpotqa" and s.context == "Alice met Bob." and s.question == "Question: Who?"
+    assert s.answers == ["Alice", "alice"] and s.metric == "any" and s.max_new_tokens == 32
+    import pandas as pd
+
+    pq = tmp_path / "lb.parquet"
+    pd.DataFrame(rows).to_parquet(pq)
+    assert [x.to_dict() for x in load_benchmark("longbench", "hotpotqa", data_files=pq)] == [x.to_dict() for x in samples]
+
+
+def test_ruler_scbench_longbench_v2_layouts():
+    r = rows_to_samples([{"context": "c", "question": "q", "answer_prefix": "A:", "answer": ["1", "2"],
+                          "task": "niah_multivalue", "max_new_tokens": 128}], "ruler")[0]
+    assert r.answers == ["1", "2"] and r.max_new_tokens == 128 and r.answer_prefix == "A:" and r.task == "ruler/niah_multivalue"
+    sc = rows_to_samples([{"id": 7, "context": "ctx", "multi_turns": [{"input": "q1", "answer": "a1"},
+                                                                      {"input": "q2", "answer": "a2"}]}], "scbench", "scbench_kv")
+    assert [(s.id, s.question, s.answers) for s in sc] == [("7-0", "q1", ["a1"]), ("7-1", "q2", ["a2"])]
+    v2 = rows_to_samples([{"_id": "z", "question": "Q", "choice_A": "a", "choice_B": "b", "choice_C": "c",
+                           "choice_D": "d", "answer": "C", "context": "ctx", "domain": "Code"}], "longbench-v2")[0]
+    assert v2.answers == ["(C)"] and "(D) d" in v2.question
+    assert parse_suite("longbench:qasper@me/mirror") == ("longbench", "qasper", "me/mirror")
+    assert parse_suite("synthetic") is None
+    with pytest.raises(ValueError, match="layout"):
+        rows_to_samples([{"context": "x"}], "longbench")
+
+
+# ---------------------------------------------------------------------------------------------
+# SnapKV
+
+def _snap_model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config()).eval()
+
+
+def test_snapkv_keeps_budget_plus_window_and_the_window():
+    model = _snap_model()
+    ids = torch.randint(0, 128, (1, 150))
+    cache = SnapKVCache.from_model(model, window=16, budget=20)
+    with torch.no_grad():
+        ref = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits
+        out = model(input_ids=ids, cache=cache).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the prefill's own attention is unchanged
+    for layer in cache.layers:
+        assert layer.keys.shape[-2] == 20 + 16
+        idx = layer.kept_indices[0]
+        assert idx.shape[-1] == 36
+        assert torch.equal(idx[:, -16:], torch.arange(134, 150).expand(idx.shape[0], 16))
+        assert (idx[:, :20] < 134).all() and (idx.diff(dim=-1) > 0).all()
+    assert cache.get_seq_length() == 150
+    rep = snapkv_report(cache)
+    assert rep["kr_measured"] == pytest.approx(36 / 150)
+    # ratio budget: round(0.2 * 150) = 30 prompt tokens kept in total, window included
+    c2 = SnapKVCache.from_model(model, window=16, ratio=0.2)
+    with torch.no_grad():
+        model(input_ids=ids, cache=c2)
+    assert all(layer.keys.shape[-2] == 30 for layer in c2.layers)
+
+
+def test_snapkv_decoding_after_eviction_is_causal_and_positioned():
+    model = _snap_model()
+    ids = torch.randint(0, 128, (1, 120))
+    nxt = torch.randint(0, 128, (1, 3))
+    a, b = (SnapKVCache.from_model(model, window=8, budget=10) for _ in range(2))
+    with torch.no_grad():
+        model(input_ids=ids, cache=a)
+        model(input_ids=ids, cache=b)
+        together = model(input_ids=nxt, cache=a).logits
+        one_by_one = torch.cat([model(input_ids=nxt[:, i:i + 1], cache=b).logits for i in range(3)], dim=1)
+    torch.testing.assert_close(together, one_by_one, rtol=1e-4, atol=1e-4)
+    assert a.get_seq_length() == 123 and a.layers[0].keys.shape[-2] == 18 + 3
+    # nothing evicted when the budget covers the prompt: identical to the full cache
+    c, d = SnapKVCache.from_model(model, window=8, budget=500), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=c), model(input_ids=ids, cache=d)
+        torch.testing.assert_close(model(input_ids=nxt, cache=c).logits, model(input_ids=nxt, cache=d).logits)
+
+
+def test_snapkv_with_generate():
+    model = _snap_model()
+    ids = torch.randint(0, 128, (1, 90))
+    out = model.generate(ids, cache=SnapKVCache.from_model(model, ratio=0.3), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == 94
+
+
+# ---------------------------------------------------------------------------------------------
+# harness, rows, files
+
+def test_summarize_rel_score_definition():
+    def rec(m, t, s):
+        return {"method": m, "context_len": 10, "task": t, "score": s, "kr_measured": 1.0, "kr_formula": 1.0, "cr": 1.0,
+                "wall_s": 1.0, "prompt_tokens": 10, "prefill_s": 1.0, "decode_s": 1.0, "decode_steps": 2, "new_tokens": 3}
+    records = [rec("full", "a", 0.8), rec("full", "b", 0.0), rec("x", "a", 0.4), rec("x", "b", 1.0)]
+    rows = {r["method"]: r for r in summarize(records, {}, ["full", "x"], [10])}
+    assert rows["full"]["rel_score"] == 1.0
+    assert rows["x"]["rel_score"] == pytest.approx(0.5)  # task b has no signal in the full cache: left out
+    assert rows["x"]["rel_tasks"] == {"a": pytest.approx(0.5), "b": None}
+    assert rows["x"]["tasks_without_signal"] == ["b"]
+    assert rows["x"]["score"] == pytest.approx(0.7)
+    silent = {r["method"]: r for r in summarize([rec("full", "a", 0.0), rec("x", "a", 0.0)], {}, ["full", "x"], [10])}
+    assert silent["full"]["rel_score"] is None and silent["x"]["rel_score"] is None
+
+
+def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
+    samples = [Sample(id=f"s{i}", task=t, context=f"The code is {i}{i}{i}. " + "Filler text. " * 30,
+                      question="What is the code?", answers=[f"{i}{i}{i}"], max_new_tokens=3)
+               for i, t in enumerate(["alpha", "alpha", "beta"])]
+    rows = evaluate(tiny_lm, tok, ["kivi2", "snapkv", "residualkv-dagger"], samples=samples, context_len=[64, 128],
+                    ppl_context=48, ppl_tokens=4, out_dir=tmp_path, stem="run", progress=False)
+    assert [r["method"] for r in rows[:4]] == ["full", "kivi2", "snapkv", "residualkv-dagger"]  # full added first
+    assert {r["context_len"] for r in rows} == {64, 128}
+    for name in ("run.json", "run.csv", "run.md", "run_score_vs_kr.png", "run_predictions.jsonl"):
+        assert (tmp_path / name).stat().st_size > 0
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert data == json.loads(json.dumps(rows))
+    for r in data:
+        assert all(k in r for k in CONTRACT)
+        assert set(r["tasks"]) == {"alpha", "beta"} and r["n_samples"] == 3
+        assert r["ppl"] > 0 and r["time_s"] > 0
+    full = next(r for r in data if r["method"] == "full")
+    assert full["kr_measured"] == 1.0 and full["ppl_rel"] == 1.0
+    snap = next(r for r in data if r["method"] == "snapkv" and r["context_len"] == 128)
+    assert snap["kr_measured"] < 0.6 and snap["cr"] < 1.0
+    preds = [json.loads(x) for x in (tmp_path / "run_predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == 2 * 3 * 4 and all(p["prompt_tokens"] <= p["context_len"] for p in preds)
+    assert "| method |" in (tmp_path / "run.md").read_text()
+
+
+def test_full_rel_score_is_one_when_full_scores(tmp_path, tiny_lm, tok):
+    # an answer that every prediction contains ("" is a substring of anything) gives the full cache signal
+    samples = [Sample(id="s", task="t", context="x " * 30, question="q", answers=[""], max_new_tokens=2)]
+    rows = evaluate(tiny_lm, tok, ["full", "kivi4"], samples=samples, context_len=None, ppl_tokens=0, progress=False)
+    assert rows[0]["method"] == "full" and rows[0]["rel_score"] == 1.0 and rows[1]["rel_score"] == 1.0
+    assert rows[0]["ppl"] is None
+
+
+def test_every_registered_method_runs_through_the_harness(tiny_lm, tok):
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ResidualKVConfig
+    from residualkv.methods import METHODS
+
+    base = ResidualKVConfig(full_attention_layers=(0,))
+    codec = ResidualCodec.for_model(tiny_lm.config, base, d_c=32, d_ff=64)
+    samples = [Sample(id="s", task="t", context="The code is 777. " + "Filler. " * 40, question="Code?",
+                      answers=["777"], max_new_tokens=3)]
+    rows = evaluate(tiny_lm, tok, list(METHODS) + ["snapkv"], codec, base, samples=samples, context_len=None,
+                    ppl_context=40, ppl_tokens=3, progress=False)
+    assert [r["method"] for r in rows] == list(dict.fromkeys(["full", *METHODS, "snapkv"]))
+    for r in rows:
+        assert 0 < r["kr_measured"] <= 1.0 and 0 < r["cr"] <= 1.0 and r["ppl"] > 0, r["method"]
+
+
+def test_methods_built_fresh_and_measured(tiny_lm):
+    for name in ("full", "kivi2", "snapkv", "snapkv-10"):
+        a, b = build_method_cache(name, tiny_lm), build_method_cache(name, tiny_lm)
+        assert a is not b
+        with torch.no_grad():
+            tiny_lm(input_ids=torch.randint(0, 100, (1, 80)), cache=a)
+        assert 0 < measure(a)["kr_measured"] <= 1.0
+    with pytest.raises(ValueError, match="unknown method"):
+        build_method_cache("nope", tiny_lm)
+
+
+def test_write_outputs_refuses_rows_without_the_contract(tmp_path):
+    with pytest.raises(ValueError, match="contract"):
+        write_outputs([{"method": "full"}], out_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI on the real backbone
+
+def test_rkv_eval_cli_contract_with_a_jsonl_and_two_lengths(tmp_path, tiny_lm, tok):
+    folder = tmp_path / "tiny-backbone"
+    tiny_lm.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    tasks = write_jsonl([{"id": f"r{i}", "context": "The code is 4242. " + "More text here. " * (10 * i),
+                          "question": "What is the code?", "answers": ["4242"], "max_new_tokens": 3} for i in range(3)],
+                        tmp_path / "mine.jsonl")
+    out = tmp_path / "out" / "rows.json"
+    proc = subprocess.run([sys.executable, "-m", "residualkv.cli", "eval", "--backbone", str(folder), "--methods",
+                           "kivi2,snapkv", "--tasks", str(tasks), "--context-len", "64,128", "--ppl-tokens", "0",
+                           "--json", str(out), "--out-dir", str(tmp_path / "extra"), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["method"], r["context_len"]) for r in rows] == [
+        ("full", 64), ("kivi2", 64), ("snapkv", 64), ("full", 128), ("kivi2", 128), ("snapkv", 128)]
+    for r in rows:
+        assert all(k in r for k in CONTRACT) and r["suite"] == str(tasks) and r["codec"] is None
+        assert set(r["tasks"]) == {"mine"} and r["n_samples"] == 3
+    for name in ("rows.csv", "rows.md", "rows_score_vs_kr.png", "rows_predictions.jsonl"):
+        assert (tmp_path / "extra" / name).is_file()
+    assert "| method |" in proc.stdout
+
+
+def test_rkv_eval_cli_smollm2_full_vs_kivi4(tmp_path, tok):
+    if not (SMOL / "model.safetensors").is_file():
+        pytest.skip("SmolLM2 is not cached")
+    out = tmp_path / "res" / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "residualkv.cli", "eval", "--backbone", "smollm2-135m",
+                           "--methods", "full,kivi4", "--synthetic-tasks", "niah_single", "--context-len", "512",
+                           "--n-samples", "1", "--ppl-context", "256", "--ppl-tokens", "4", "--json", str(out),
+                           "--no-progress"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["full", "kivi4"]
+    for r in rows:
+        assert all(k in r for k in CONTRACT) and r["context_len"] == 512 and r["backbone"] == "smollm2-135m"
+    full, kivi = rows
+    assert full["kr_measured"] == 1.0 and 0.2 < kivi["kr_measured"] < 0.5
+    if full["score"]:
+        assert full["rel_score"] == 1.0
+    assert (out.parent / "eval.csv").is_file() and (out.parent / "eval_score_vs_kr.png").is_file()
+
+
+def test_rkv_eval_cli_needs_a_codec_only_when_asked(tmp_path):
+    from residualkv.evaluation.harness import method_needs_codec
+
+    assert method_needs_codec("residualkv") and not method_needs_codec("snapkv") and not method_needs_codec("kivi2")
+    env = {**__import__("os").environ, "RKV_DATA_DIR": str(tmp_path / "empty-data")}
+    proc = subprocess.run([sys.executable, "-m", "residualkv.cli", "eval", "--methods", "full,nope", "--json",
+                           str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode != 0 and "unknown method" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "residualkv.cli", "eval", "--methods", "full,kivi2,residualkv",
+                           "--json", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=env)
+    assert proc.returncode != 0 and "rkv train --backbone smollm2-135m" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,127 @@
+"""Data packing: documents -> EOS-separated token stream -> exact seq_len blocks, split by document."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from residualkv.data import is_heldout
+from residualkv.training.packing import (DataError, HubSource, LocalSource, OfflineSource, pack_documents,
+                                         resolve_source)
+
+N_DOCS, N_WORDS = 40, 80
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace word-level tokenizer: <unk>=0, <eos>=1, d0..d39 (one marker per document), w0..w79."""
+    words = ["<unk>", "<eos>"] + [f"d{i}" for i in range(N_DOCS)] + [f"w{i}" for i in range(N_WORDS)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+
+
+def doc_text(i: int) -> str:
+    """Document i: its marker d{i}, then 30..160 words."""
+    n = 30 + (i * 37) % 131
+    return " ".join([f"d{i}"] + [f"w{(i * 7 + j * 3) % N_WORDS}" for j in range(n)])
+
+
+def write_corpus(folder, n_docs: int = N_DOCS):
+    """Documents 0..n/2-1 as .txt files, the rest as rows of one .jsonl file (ids 'row-i')."""
+    folder.mkdir(parents=True, exist_ok=True)
+    half = n_docs // 2
+    for i in range(half):
+        (folder / f"doc{i:02d}.txt").write_text(doc_text(i))
+    with open(folder / "rows.jsonl", "w") as f:
+        for i in range(half, n_docs):
+            f.write(json.dumps({"id": f"row-{i}", "text": doc_text(i)}) + "\n")
+    return folder
+
+
+def doc_ids_of(folder, n_docs: int = N_DOCS) -> dict[int, str]:
+    half = n_docs // 2
+    return {i: (f"doc{i:02d}.txt" if i < half else f"row-{i}") for i in range(n_docs)}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def test_blocks_are_exact_and_split_by_document(tmp_path, tok):
+    corpus = write_corpus(tmp_path / "corpus")
+    packed = pack_documents(LocalSource(corpus), tok, 64, heldout_fraction=0.25, root=tmp_path / "packed")
+    ids = doc_ids_of(corpus)
+    held = {i for i, d in ids.items() if is_heldout(d, 0.25)}
+    assert held and len(held) < N_DOCS  # the fixture exercises both sides
+    markers = {tok.convert_tokens_to_ids(f"d{i}"): i for i in range(N_DOCS)}
+
+    for split, expect_held in (("train", False), ("heldout", True)):
+        blocks = getattr(packed, split)
+        assert len(blocks) > 0
+        for row in blocks:
+            assert len(row["input_ids"]) == 64
+            seen = {markers[t] for t in row["input_ids"] if t in markers}
+            assert all((i in held) == expect_held for i in seen), f"{split} block holds a document of the other split"
+            assert all(is_heldout(d, 0.25) == expect_held for d in row["doc_ids"])
+
+    # the training blocks are the train documents, in order, each followed by EOS, cut every 64 tokens
+    stream = []
+    for i in range(N_DOCS):
+        if i not in held:
+            stream += tok(doc_text(i), add_special_tokens=False).input_ids + [tok.eos_token_id]
+    flat = [t for row in packed.train for t in row["input_ids"]]
+    assert flat == stream[: len(stream) // 64 * 64]
+    assert packed.meta["train_blocks"] == len(stream) // 64
+
+
+def test_packed_sets_are_reused_and_keyed_by_inputs(tmp_path, tok):
+    corpus = write_corpus(tmp_path / "corpus")
+    root = tmp_path / "packed"
+    a = pack_documents(LocalSource(corpus), tok, 64, root=root)
+    b = pack_documents(LocalSource(corpus), tok, 64, root=root)
+    assert a.path == b.path and (a.path / "splits").is_dir()
+    assert pack_documents(LocalSource(corpus), tok, 32, root=root).path != a.path
+    (corpus / "doc00.txt").write_text(doc_text(0) + " w1")  # edited documents are packed again
+    assert pack_documents(LocalSource(corpus), tok, 64, root=root).path != a.path
+    assert not list(root.glob(".*"))  # no temporary folders left behind
+
+
+def test_hub_code_path_on_a_local_dataset(tmp_path, tok):
+    # `datasets.load_dataset` on a local folder runs the same code as a hub name, offline
+    folder = tmp_path / "hubdata"
+    folder.mkdir()
+    with open(folder / "train.jsonl", "w") as f:
+        for i in range(N_DOCS):
+            f.write(json.dumps({"body": doc_text(i)}) + "\n")
+    cache = str(tmp_path / "hf-cache")  # not the machine-wide datasets cache other processes write to
+    with pytest.raises(DataError, match="--text-field"):
+        HubSource(str(folder), cache_dir=cache).load()
+    source = HubSource(str(folder), text_field="body", cache_dir=cache)
+    packed = pack_documents(source, tok, 64, root=tmp_path / "packed")
+    assert len(packed.train) > 0 and all(len(r["input_ids"]) == 64 for r in packed.train)
+    assert all(d.startswith(f"{folder}:") for r in packed.train for d in r["doc_ids"])
+
+
+def test_resolve_source_and_errors(tmp_path, tok):
+    assert isinstance(resolve_source(None), OfflineSource)
+    assert isinstance(resolve_source("offline"), OfflineSource)
+    assert isinstance(resolve_source(str(tmp_path)), LocalSource)
+    assert isinstance(resolve_source("HuggingFaceFW/fineweb-edu"), HubSource)  # not loaded here
+    with pytest.raises(DataError, match="no such file"):
+        resolve_source(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DataError, match="no .txt"):
+        LocalSource(tmp_path).files()
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "rows.jsonl").write_text('{"text": "w1 w2"}\n{"txt": "w3"}\n')
+    with pytest.raises(DataError, match=r"rows.jsonl:2 .*'text'"):
+        list(LocalSource(bad).documents())
+
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "a.txt").write_text("w1 w2 w3")
+    with pytest.raises(DataError, match="lower --seq-len"):
+        pack_documents(LocalSource(small), tok, 64, heldout_fraction=0.0, root=tmp_path / "packed")

@@ -1,0 +1,284 @@
+"""The pipeline end to end on the `smoke` settings (tiny random Llama + SmolLM2's tokenizer), for real:
+Prefect's ephemeral API, an embedded MLflow store, pandera, the registry, in a temporary data directory.
+
+  - `rkv run` (flows.cli run) registers a champion with tables, plots and metrics as artifacts, and the
+    serving loader loads it; a second run reuses every finished step and registers the next version;
+  - a pandera failure stops the flow with a readable report and registers nothing;
+  - the training task killed with SIGKILL resumes on re-run without losing finished steps;
+  - bench-regress passes against itself and fails (exit 1, a table) for a degraded candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from registry import env as rkv_env
+from residualkv.backbones import cache_dir, get_backbone
+
+REPO = Path(__file__).resolve().parents[1]
+SMOL = cache_dir(get_backbone("smollm2-135m"))  # the tokenizer the tiny model borrows (fetched by `make setup`)
+RUN_TIMEOUT = 900
+
+pytestmark = pytest.mark.skipif(not (SMOL / "tokenizer.json").is_file(),
+                                reason=f"SmolLM2 not fetched to {SMOL}: run `make setup`")
+
+
+def isolated_env(data: Path, **extra: str) -> dict[str, str]:
+    """The environment of a fresh user whose data directory is `data` (nothing inherited from this process)."""
+    env = {k: v for k, v in os.environ.items() if k not in rkv_env.service_defaults() and not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update({"RKV_DATA_DIR": str(data), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, **extra)
+    return env
+
+
+def write_profile(folder: Path, name: str = "smoke-test", **changes) -> Path:
+    """configs/pipelines/smoke.yaml with the tokenizer taken from the local SmolLM2 folder, plus changes."""
+    raw = yaml.safe_load((REPO / "configs" / "pipelines" / "smoke.yaml").read_text())
+    raw["name"] = name
+    raw["backbones"][0]["tokenizer"] = str(SMOL)
+    raw["train"].update({"steps": 6, "log_every": 1, "ckpt_every": 3, "torch_threads": 1})
+    raw["evaluate"]["options"].update({"ppl_tokens": 8})
+    raw["throughput"].update({"new_tokens": 3})
+    for section, values in changes.items():
+        if isinstance(values, dict) and isinstance(raw.get(section), dict):
+            raw[section].update(values)
+        else:
+            raw[section] = values
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def rkv(args: list[str], data: Path, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=isolated_env(data),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One `rkv run --profile <smoke-test>` in a fresh data directory; shared by the tests below."""
+    root = tmp_path_factory.mktemp("pipeline")
+    data = root / "data"
+    profile = write_profile(root)
+    t0 = time.monotonic()
+    proc = rkv(["run", "--profile", str(profile), "--json", str(root / "summary.json")], data)
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return {"root": root, "data": data, "profile": profile, "proc": proc, "seconds": seconds,
+            "summary": json.loads((root / "summary.json").read_text())}
+
+
+@pytest.fixture()
+def store(smoke, monkeypatch):
+    """This process pointed at the smoke run's data directory and MLflow store."""
+    monkeypatch.setenv("RKV_DATA_DIR", str(smoke["data"]))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", rkv_env.default_tracking_uri(smoke["data"]))
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    import registry
+
+    return registry
+
+
+def test_run_registers_a_champion_with_artifacts(smoke, store):
+    out = smoke["proc"].stdout + smoke["proc"].stderr
+    summary = smoke["summary"]
+    assert summary["status"] == "ok"
+    (b,) = summary["backbones"]
+    assert b["status"] == "registered" and b["promotion"]["promoted"], b
+    # the summary table and where to look
+    assert "== ResidualKV pipeline, profile smoke-test (ok) ==" in out
+    assert "KR meas." in out and "residualkv-dagger" in out
+    assert "mlflow ui --backend-store-uri sqlite:///" in out and str(smoke["data"]) in out
+    # the champion: complete, with metrics, tags and the run's artifacts
+    mv = store.get_version("models:/rkv-tiny-llama@champion")
+    assert mv.tags["rkv.complete"] == "true" and mv.tags["backbone"] == "tiny-llama"
+    metrics = store.version_metrics(mv)
+    assert {"kr_measured", "cr", "ppl_rel", "score", "task.niah_single"} <= set(metrics)
+    assert 0 < metrics["kr_measured"] < 1
+    from registry.store import client
+
+    c = client()
+    artifacts = {f.path for f in c.list_artifacts(mv.run_id)}
+    assert {"codec", "tables", "plots"} <= artifacts
+    tables = {f.path for f in c.list_artifacts(mv.run_id, "tables")}
+    assert {"tables/kr_cr.csv", "tables/benchmark.csv", "tables/throughput.csv"} <= tables
+    plots = {f.path for f in c.list_artifacts(mv.run_id, "plots")}
+    assert {"plots/training_loss.png", "plots/quality_vs_kr.png", "plots/throughput.png"} <= plots
+    run = c.get_run(mv.run_id)
+    assert run.info.status == "FINISHED"
+    assert any(k.startswith("train/loss") for k in run.data.metrics)
+    assert "train.steps" in run.data.params
+    assert Path(b["report_dir"], "plots", "quality_vs_kr.png").is_file()
+    # the serving loader attaches it to the model it was trained for
+    from residualkv.backbones import load_backbone
+    from residualkv.methods import build_cache
+
+    yaml_path = Path(b["train"]["codec_dir"]).parents[3] / "backbones"
+    model, tok, spec = load_backbone(next(yaml_path.glob("tiny-llama-*.yaml")))
+    codec = store.load_codec("models:/rkv-tiny-llama@champion", model_config=model.config)
+    cache = build_cache("residualkv", model, codec)
+    ids = tok("def f(x): return x", return_tensors="pt").input_ids
+    model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    print(f"\n[smoke] rkv run --profile smoke-test took {smoke['seconds']:.0f}s")
+
+
+def test_second_run_reuses_finished_steps_and_registers_the_next_version(smoke, store):
+    t0 = time.monotonic()
+    proc = rkv(["run", "--profile", str(smoke["profile"]), "--json", str(smoke["root"] / "summary2.json")], smoke["data"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (b,) = json.loads((smoke["root"] / "summary2.json").read_text())["backbones"]
+    assert b["train"]["cached"] is True  # nothing retrained
+    assert b["registered"]["version"] == "2"
+    # same codec, same suite, same numbers: no worse than the champion -> promoted, and the rule is logged
+    assert b["promotion"]["promoted"], b["promotion"]
+    mv = store.get_version("models:/rkv-tiny-llama/2")
+    assert "promote iff" in mv.tags["rkv.promotion_rule"]
+    print(f"\n[smoke] cached re-run took {time.monotonic() - t0:.0f}s")
+
+
+def test_pandera_failure_stops_the_flow_and_registers_nothing(smoke, store):
+    from registry.store import client
+
+    before = len(store.list_versions("rkv-tiny-llama"))
+    strict = write_profile(smoke["root"], name="smoke-strict", accounting={"kr_tol": 1e-6})
+    proc = rkv(["run", "--profile", str(strict)], smoke["data"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "KR/CR table failed validation - nothing was registered." in out
+    assert "|kr_measured - kr_formula| <= 1e-06 (ResidualKV methods)" in out and "residualkv-dagger" in out
+    assert len(store.list_versions("rkv-tiny-llama")) == before  # nothing registered
+    runs = client().search_runs([rkv_env_experiment()], "tags.profile = 'smoke-strict'")
+    assert runs and runs[0].info.status == "FAILED"
+    arts = {f.path for f in client().list_artifacts(runs[0].info.run_id, "validation")}
+    assert "validation/KR_CR_FAILED.txt" in arts
+
+
+def rkv_env_experiment() -> str:
+    from registry.store import experiment_id
+
+    return experiment_id()
+
+
+def test_training_task_resumes_after_sigkill(smoke, tmp_path, monkeypatch):
+    """Through the task: kill it after a checkpoint, re-run it, and it continues from that step."""
+    data = smoke["data"]  # the packed data and the tiny backbone are already there
+    prof = yaml.safe_load(smoke["profile"].read_text())
+    config = prof["train"] | {"steps": 24, "ckpt_every": 4, "log_every": 1, "eval_blocks": 0, "seed": 7}
+    script = textwrap.dedent(f"""
+        import json, sys
+        from tasks.backbones import resolve_backbone
+        from tasks.data import pack_data
+        from tasks.train import run_train
+        entry = {prof['backbones'][0]!r}
+        ref = resolve_backbone(entry)
+        packed = pack_data.fn(ref, {prof['data']!r})
+        out = run_train(ref, packed, {config!r}, progress=False)
+        print("RESULT " + json.dumps(out), flush=True)
+    """)
+    env = isolated_env(data)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    train_root = data / "codecs" / "tiny-llama"
+    deadline = time.monotonic() + 600
+    ckpts: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        ckpts = sorted(int(p.name.split("-")[1]) for p in train_root.glob("*/checkpoints/step-*")
+                       if (p / "trainer_state.json").is_file() and _seed_of(p) == 7)
+        if ckpts and ckpts[-1] >= 8:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "training finished before it could be killed: " + (proc.stdout.read() or "")[-3000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    (run_dir,) = {p.parents[1] for p in train_root.glob("*/checkpoints/step-*") if _seed_of(p) == 7}
+    saved = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
+                   if (p / "trainer_state.json").is_file())
+    assert not (run_dir / "result.json").exists()
+    lines_before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    logged_before = {json.loads(l)["step"] for l in lines_before}
+
+    # the re-run: the same task call, here in-process
+    monkeypatch.setenv("RKV_DATA_DIR", str(data))
+    from tasks.backbones import resolve_backbone
+    from tasks.data import pack_data
+    from tasks.train import run_train
+
+    ref = resolve_backbone(prof["backbones"][0])
+    packed = pack_data.fn(ref, prof["data"])
+    result = run_train(ref, packed, config, progress=False)
+    assert result["resumed_from"] == saved[-1] >= 8  # no finished (checkpointed) step is redone
+    assert result["steps"] == 24 and result["run_dir"] == str(run_dir) and not result["cached"]
+    history = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {s for s in logged_before if s <= saved[-1]} <= set(history)
+    assert min(s for s in history[len(lines_before):]) == saved[-1] + 1  # picked up right after the checkpoint
+    assert run_train(ref, packed, config, progress=False)["cached"] is True  # and a third call reuses it
+
+
+def _seed_of(ckpt: Path) -> int | None:
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text())["config"]["seed"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_bench_regress_passes_against_itself_and_fails_for_a_degraded_candidate(smoke, store, tmp_path, capsys):
+    from flows.cli import main as cli
+
+    champion = store.get_version("models:/rkv-tiny-llama@champion")
+    assert cli(["bench-regress", "--codec", "models:/rkv-tiny-llama@champion", "--tolerance", "0.02"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS - 0 regression(s)" in out and "kr_measured" in out
+
+    # A deliberately degraded candidate: twice the latent size (more bytes) and scrambled weights,
+    # registered with the champion's claims and suite, as a broken training run would be.
+    import torch
+
+    from residualkv.codec import ResidualCodec
+
+    good = store.load_codec("models:/rkv-tiny-llama@champion")
+    dims = good.dims
+    from residualkv.config import CodecDims
+
+    bad = ResidualCodec(CodecDims(d_kv=dims.d_kv, d_c=2 * dims.d_c, d_ff=dims.d_ff), good.layer_ids, good.config,
+                        backbone=good.backbone, fingerprint=good.fingerprint)
+    with torch.no_grad():
+        for p in bad.parameters():
+            p.normal_(0, 3.0)
+    bad_dir = bad.save(tmp_path / "degraded")
+    reg = store.register_codec(bad_dir, name="rkv-tiny-llama", metrics=store.version_metrics(champion),
+                               suite=store.version_suite(champion), tags={"note": "deliberately degraded"})
+    assert str(store.get_version("models:/rkv-tiny-llama@candidate").version) == reg.version
+    code = cli(["bench-regress", "--codec", "models:/rkv-tiny-llama@candidate", "--tolerance", "0.02",
+                "--json", str(tmp_path / "regress.json")])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert f"vs the champion's stored metrics (v{champion.version}): FAIL" in out
+    assert "REGRESSION" in out and "kr_measured" in out
+    result = json.loads((tmp_path / "regress.json").read_text())
+    assert not result["passed"] and any(c["regressed"] and c["metric"] == "kr_measured" for c in result["comparisons"])
+    # the outcome is recorded on the version
+    assert store.get_version(f"models:/rkv-tiny-llama/{reg.version}").tags["rkv.bench_regress"].startswith("fail")
+
+
+def test_regression_table_logic():
+    from flows.bench_regress import RegressReport, compare
+
+    base = {"rel_score": 0.98, "score": 0.6, "task.vt": 0.8, "kr_measured": 0.18, "ppl": 10.0, "decode_tok_s_ctx512": 30.0}
+    same = compare(base, dict(base), 0.02)
+    assert all(not c.regressed for c in same) and {c.metric for c in same} == set(base) - {"decode_tok_s_ctx512"}
+    worse = compare(base, base | {"rel_score": 0.95, "ppl": 10.3, "kr_measured": 0.19, "task.vt": 0.79}, 0.02)
+    assert {c.metric for c in worse if c.regressed} == {"rel_score", "ppl"}  # 0.03 > 0.02; 3% > 2%; the rest within
+    missing = compare(base, {k: v for k, v in base.items() if k != "task.vt"}, 0.02)
+    assert [c.metric for c in missing if c.regressed] == ["task.vt"]
+    text = RegressReport("models:/x@candidate", "3", "the champion", worse).text()
+    assert "FAIL - 2 regression(s)" in text and "REGRESSION" in text

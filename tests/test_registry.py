@@ -1,0 +1,227 @@
+"""The MLflow registry and the serving loader, on a real embedded store (SQLite + local artifacts).
+
+Tiny random codecs (4-layer Llama shape) keep each test to seconds; everything else is real:
+MLflow's SQLAlchemy store, artifact upload/download, aliases, 8 concurrent registering processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from residualkv.codec import WEIGHTS, CodecError, ResidualCodec
+from residualkv.config import ResidualKVConfig
+from tests.conftest import tiny_llama_config
+
+
+def make_codec(directory: Path, *, seed: int = 0, backbone: str = "tiny-llama", **config_overrides) -> Path:
+    cfg = tiny_llama_config(**config_overrides)
+    codec = ResidualCodec.for_model(cfg, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=64,
+                                    backbone=backbone, seed=seed)
+    return codec.save(directory)
+
+
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    """A fresh embedded MLflow store under a temporary data directory."""
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'data' / 'mlflow' / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    import registry
+
+    return registry
+
+
+def test_env_defaults_live_under_data_dir(tmp_path):
+    from registry import env
+
+    values = env.service_defaults(tmp_path)
+    assert values["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path}/mlflow/mlflow.db"
+    assert values["PREFECT_HOME"] == str(tmp_path / "prefect")
+    assert values["PREFECT_SERVER_DATABASE_CONNECTION_URL"].endswith(f"{tmp_path}/prefect/prefect.db")
+    assert values["MLFLOW_DISABLE_TELEMETRY"] == "true" and values["DO_NOT_TRACK"] == "true"
+    assert values["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+    assert values["PREFECT_SERVER_API_HOST"] == "127.0.0.1"
+    assert env.artifact_root_for(values["MLFLOW_TRACKING_URI"]) == (tmp_path / "mlflow" / "artifacts").as_uri()
+
+
+def test_register_load_by_alias_and_version(store, tmp_path):
+    codec_dir = make_codec(tmp_path / "codec")
+    reg = store.register_codec(codec_dir, metrics={"rel_score": 0.97, "kr_measured": 0.19, "cr": 1.0},
+                               tags={"trainer_steps": 5}, suite={"suite": "unit"})
+    assert reg.name == "rkv-tiny-llama" and reg.version == "1"
+    mv = store.get_version(f"models:/{reg.name}@candidate")
+    assert str(mv.version) == "1" and mv.run_id == reg.run_id
+    assert mv.tags["rkv.complete"] == "true"
+    assert mv.tags["backbone"] == "tiny-llama" and len(mv.tags["sha256"]) == 64 and mv.tags["fingerprint_hash"]
+    assert store.version_metrics(mv) == {"rel_score": 0.97, "kr_measured": 0.19, "cr": 1.0}
+    # artifacts live beside the SQLite file, not in the working directory
+    assert str(tmp_path / "data" / "mlflow" / "artifacts") in mv.source
+    model_config = tiny_llama_config()
+    for uri in (f"models:/{reg.name}@candidate", f"models:/{reg.name}/1"):
+        codec = store.load_codec(uri, model_config=model_config)
+        assert codec.backbone == "tiny-llama" and codec.layer_ids == [1, 2, 3]
+    from registry.store import client
+
+    run = client().get_run(reg.run_id)
+    assert run.data.metrics["rel_score"] == pytest.approx(0.97)
+
+
+def test_promotion_rule_is_explicit_and_logged(store, tmp_path):
+    suite = {"suite": "unit"}
+    v1 = store.register_codec(make_codec(tmp_path / "c1", seed=1), metrics={"rel_score": 0.95, "kr_measured": 0.20}, suite=suite)
+    d1 = store.promote_if_not_worse(v1.name, v1.version)
+    assert d1.promoted and d1.reason == "no champion yet"
+    v2 = store.register_codec(make_codec(tmp_path / "c2", seed=2), metrics={"rel_score": 0.90, "kr_measured": 0.20}, suite=suite)
+    assert str(store.get_version(f"models:/{v2.name}@candidate").version) == "2"
+    d2 = store.promote_if_not_worse(v2.name, v2.version)
+    assert not d2.promoted and "rel_score 0.9000 < champion 0.9500" in d2.reason
+    assert str(store.get_version(f"models:/{v1.name}@champion").version) == "1"
+    v3 = store.register_codec(make_codec(tmp_path / "c3", seed=3), metrics={"rel_score": 0.945, "kr_measured": 0.21}, suite=suite)
+    rule = store.PromotionRule(score_tol=0.01, kr_tol=0.005)
+    d3 = store.promote_if_not_worse(v3.name, v3.version, rule)
+    assert not d3.promoted and "kr_measured 0.2100 > champion 0.2000" in d3.reason
+    v4 = store.register_codec(make_codec(tmp_path / "c4", seed=4), metrics={"rel_score": 0.945, "kr_measured": 0.2}, suite=suite)
+    d4 = store.promote_if_not_worse(v4.name, v4.version, rule)
+    assert d4.promoted, d4.reason  # within the score tolerance, same bytes
+    assert str(store.get_version(f"models:/{v1.name}@champion").version) == "4"
+    # the decision and the rule are on the version and in its run (tag + text artifact)
+    from registry.store import client
+
+    mv2 = store.get_version(f"models:/{v2.name}/2")
+    assert "NOT" not in mv2.tags["rkv.promotion_rule"] and "rel_score" in mv2.tags["rkv.promotion_rule"]
+    run = client().get_run(v2.run_id)
+    assert run.data.tags["rkv.promotion.v2"].startswith("not promoted")
+    text = Path(client().download_artifacts(v2.run_id, "promotion/decision_v2.txt", str(tmp_path))).read_text()
+    assert "NOT promoted" in text and "rule: promote iff" in text
+    # a champion benchmarked on another suite is not compared blindly
+    v5 = store.register_codec(make_codec(tmp_path / "c5", seed=5), metrics={"rel_score": 0.99, "kr_measured": 0.2},
+                              suite={"suite": "other"})
+    d5 = store.promote_if_not_worse(v5.name, v5.version)
+    assert not d5.promoted and "different suites" in d5.reason
+    d5b = store.promote_if_not_worse(v5.name, v5.version, champion_metrics={"rel_score": 0.95, "kr_measured": 0.2})
+    assert d5b.promoted
+
+
+def test_corrupted_artifact_is_refused(store, tmp_path):
+    reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    stored = Path(reg.source.removeprefix("file://")) / WEIGHTS
+    data = bytearray(stored.read_bytes())
+    data[-8] ^= 0xFF  # flip bits inside a tensor
+    stored.write_bytes(bytes(data))
+    with pytest.raises(CodecError, match="corrupted"):
+        store.load_codec(f"models:/{reg.name}@candidate", model_config=tiny_llama_config())
+    # a verified copy is never left behind in the serving cache
+    from registry.serving import cache_root
+
+    assert not list((cache_root() / reg.name).glob("v1-*"))
+
+
+def test_corrupted_cached_copy_is_replaced(store, tmp_path):
+    reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    uri = f"models:/{reg.name}/{reg.version}"
+    store.load_codec(uri)
+    from registry.serving import cache_root
+
+    (cached,) = (cache_root() / reg.name).glob("v1-*")
+    (cached / WEIGHTS).write_bytes(b"garbage")
+    assert store.load_codec(uri).layer_ids == [1, 2, 3]  # re-downloaded from the store and verified
+    assert (cached / WEIGHTS).stat().st_size > 100
+
+
+def test_codec_for_another_backbone_is_refused(store, tmp_path):
+    reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    other = tiny_llama_config(num_key_value_heads=4)  # another KV shape
+    with pytest.raises(CodecError, match="does not fit this model") as info:
+        store.load_codec(f"models:/{reg.name}@candidate", model_config=other)
+    assert "num_kv_heads" in str(info.value) and "tiny-llama" in str(info.value)
+    other_rope = tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    with pytest.raises(CodecError, match="rope"):
+        store.load_codec(f"models:/{reg.name}@candidate", model_config=other_rope)
+
+
+def test_half_written_version_is_never_served(store, tmp_path):
+    good = store.register_codec(make_codec(tmp_path / "good", seed=1), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    from registry import codecs
+    from registry.store import client
+
+    real = client().set_model_version_tag
+
+    def crash_on_complete(name, version, key, value):
+        if key == codecs.COMPLETE_TAG:
+            raise RuntimeError("killed before the version was marked complete")
+        return real(name, version, key, value)
+
+    client().set_model_version_tag = crash_on_complete  # the process dies right before the last write
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            store.register_codec(make_codec(tmp_path / "half", seed=2), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    finally:
+        del client().set_model_version_tag
+    half = client().get_model_version(good.name, "2")  # the version row exists ...
+    assert half.tags.get("rkv.complete") is None
+    with pytest.raises(CodecError, match="not complete"):  # ... but is never served
+        store.load_codec(f"models:/{good.name}/2")
+    assert str(store.get_version(f"models:/{good.name}@candidate").version) == "1"  # alias never moved to it
+    d = store.promote_if_not_worse(good.name, "2")
+    assert not d.promoted and "not complete" in d.reason
+
+
+def test_bad_uris_say_what_to_write(store, tmp_path):
+    with pytest.raises(CodecError, match="models:/<name>@<alias>"):
+        store.load_codec("models:/only-a-name")
+    with pytest.raises(CodecError, match="no registered model 'nope'"):
+        store.load_codec("models:/nope@champion")
+    reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    with pytest.raises(CodecError, match="@candidate=v1"):
+        store.load_codec(f"models:/{reg.name}@champion")
+
+
+def test_registering_a_corrupted_codec_directory_is_refused(store, tmp_path):
+    codec_dir = make_codec(tmp_path / "codec")
+    (codec_dir / WEIGHTS).write_bytes(b"not a safetensors file")
+    with pytest.raises(CodecError, match="corrupted"):
+        store.register_codec(codec_dir, metrics={"rel_score": 1.0})
+    from registry.store import client
+
+    assert client().search_registered_models() == []
+
+
+def _register_worker(codec_dir: str, queue) -> None:
+    try:
+        import registry
+
+        reg = registry.register_codec(codec_dir, name="rkv-concurrent", metrics={"rel_score": 0.9, "kr_measured": 0.2})
+        queue.put(("ok", reg.version, reg.run_id))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        queue.put(("error", repr(error), ""))
+
+
+def test_eight_concurrent_registrations_yield_eight_versions(store, tmp_path):
+    dirs = [str(make_codec(tmp_path / f"codec{i}", seed=i)) for i in range(8)]
+    from registry.store import client
+
+    client()  # the parent creates the schema; the children race on versions, runs and aliases
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_register_worker, args=(d, queue)) for d in dirs]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [r for r in results if r[0] != "ok"]
+    assert not errors, errors
+    versions = sorted(int(r[1]) for r in results)
+    assert versions == list(range(1, 9))
+    assert len({r[2] for r in results}) == 8
+    listed = store.list_versions("rkv-concurrent")
+    assert [int(v.version) for v in listed] == list(range(1, 9))
+    assert all(v.tags.get("rkv.complete") == "true" for v in listed)
+    shas = {v.tags["sha256"] for v in listed}
+    assert len(shas) == 8  # each version carries its own codec
+    for v in listed:
+        store.load_codec(f"models:/rkv-concurrent/{v.version}", model_config=tiny_llama_config())

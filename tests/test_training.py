@@ -1,0 +1,280 @@
+"""Codec training on a tiny random Llama: the loss, where gradients go, checkpoints, SIGKILL + resume, the CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from residualkv.cache import ResidualKVCache
+from residualkv.codec import CodecError, ResidualCodec
+from residualkv.config import ResidualKVConfig
+from residualkv.training.packing import LocalSource, pack_documents
+from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, enable_mlp_checkpointing,
+                                         freeze_backbone, linear_warmup_decay, train_codec)
+
+from .conftest import tiny_llama_config
+from .test_packing import tiny_tokenizer, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 64
+CACHE_CFG = ResidualKVConfig(full_attention_layers=(0,), n_sink=2, stride=4)
+
+
+def tiny_model(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+
+
+def tiny_codec(model, seed: int = 0) -> ResidualCodec:
+    return ResidualCodec.for_model(model.config, CACHE_CFG, d_c=32, d_ff=48, backbone="tiny", seed=seed)
+
+
+def fast(**kw) -> TrainConfig:
+    """A config that trains in a second: higher LR than the seed's, log every step, no held-out eval."""
+    return TrainConfig(**({"seq_len": SEQ, "steps": 12, "lr": 3e-3, "log_every": 1, "ckpt_every": 100,
+                           "eval_blocks": 0} | kw))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: a second OpenMP thread only adds synchronisation (and stalls on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return pack_documents(LocalSource(write_corpus(root / "corpus")), tiny_tokenizer(), SEQ, root=root / "packed")
+
+
+def _losses(result_codec_path):
+    meta = json.loads((Path(result_codec_path) / "codec.json").read_text())
+    return meta["extra"]["training"]
+
+
+def _objective_on(model, codec, ids):
+    with torch.no_grad():
+        return {k: float(v) for k, v in CodecObjective(model, codec, fast())(ids).items()}
+
+
+def test_loss_decreases_and_codec_is_saved(tmp_path, packed):
+    model = tiny_model()
+    freeze_backbone(model)
+    codec = tiny_codec(model)
+    probe = torch.tensor(packed.heldout[0:4]["input_ids"])  # the same blocks before and after
+    before = _objective_on(model, codec, probe)
+    seen = []
+    result = train_codec(model, codec, packed.train, tmp_path / "run", fast(steps=30, lr=1e-2, eval_blocks=2),
+                         heldout_data=packed.heldout, data_info={"source": "test"},
+                         on_metrics=lambda step, m: seen.append((step, m)), progress=False)
+    after = _objective_on(model, codec, probe)
+    assert after["loss"] < 0.95 * before["loss"] and after["rec"] < 0.95 * before["rec"]
+    assert after["ntp"] < before["ntp"] + 0.01  # the NTP term is not traded away
+
+    summary = _losses(result.codec_path)
+    assert result.steps == 30 and len(summary["loss_history"]) == 30
+    assert {"loss", "rec", "ntp", "lr", "tokens_per_second", "grad_norm"} <= set(seen[0][1])
+    assert "eval/ppl_ratio" in seen[-1][1] and result.metrics["eval/blocks"] == 2
+    assert summary["tokens"] == 30 * SEQ and summary["loss"] == "rec+ntp" and summary["seq_len"] == SEQ
+    saved = ResidualCodec.load(result.codec_path, model_config=model.config)
+    assert saved.extra["training"]["steps"] == 30
+    assert _objective_on(model, saved, probe)["loss"] == pytest.approx(after["loss"], rel=1e-6)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-30"]
+
+
+def test_gradients_reach_every_codec_layer_and_never_the_backbone(packed):
+    model = tiny_model()
+    freeze_backbone(model)
+    codec = tiny_codec(model)
+    ids = torch.tensor(packed.train[0:2]["input_ids"])
+    for loss in ("ntp", "rec", "rec+ntp"):  # NTP alone reaches the codec through the frozen backbone
+        codec.zero_grad(set_to_none=True)
+        CodecObjective(model, codec, fast(loss=loss))(ids)["loss"].backward()
+        for name, p in codec.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"{loss}: no gradient for codec {name}"
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+    assert not model.training
+
+
+def test_rec_only_ablation_and_rec_reductions(tmp_path, packed):
+    model = tiny_model()
+    freeze_backbone(model)
+    codec = tiny_codec(model)
+    ids = torch.tensor(packed.train[0:2]["input_ids"])
+    with torch.no_grad():
+        s = CodecObjective(model, codec, fast(loss="rec"))(ids)
+        m = CodecObjective(model, codec, fast(loss="rec", rec_reduction="mean"))(ids)
+    assert float(s["ntp"]) == 0.0 and float(s["loss"]) == float(s["rec"])
+    n_coords = SEQ * len(codec.layer_ids) * codec.dims.d_kv  # per sequence
+    assert float(m["rec"]) == pytest.approx(float(s["rec"]) / n_coords, rel=1e-5)
+
+    probe = torch.tensor(packed.heldout[0:4]["input_ids"])
+    before = _objective_on(model, codec, probe)
+    result = train_codec(model, codec, packed.train, tmp_path / "rec", fast(loss="rec", steps=30, lr=1e-2),
+                         progress=False)
+    assert _objective_on(model, codec, probe)["rec"] < 0.95 * before["rec"]
+    summary = _losses(result.codec_path)
+    assert summary["loss"] == "rec" and all(row[3] == 0.0 for row in summary["loss_history"])  # ntp column
+
+
+def test_mlp_checkpointing_keeps_the_cache_and_the_gradients(packed):
+    ids = torch.tensor(packed.train[0:1]["input_ids"])
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model()
+        freeze_backbone(model)
+        if checkpointing:
+            assert enable_mlp_checkpointing(model) == 4
+        codec = tiny_codec(model)
+        CodecObjective(model, codec, fast())(ids)["loss"].backward()
+        grads.append(torch.cat([p.grad.flatten() for p in codec.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_grad_accumulation_and_bf16_autocast(tmp_path, packed):
+    model = tiny_model()
+    result = train_codec(model, tiny_codec(model), packed.train, tmp_path / "run",
+                         fast(steps=3, grad_accum=2, bf16=True, eval_blocks=1), heldout_data=packed.heldout,
+                         progress=False)
+    assert result.steps == 3 and result.tokens == 3 * 2 * SEQ  # each optimizer step saw two blocks
+    assert result.metrics["eval/ppl_ratio"] > 0
+    assert next(ResidualCodec.load(result.codec_path).parameters()).dtype == torch.float32  # weights stay fp32
+
+
+def test_time_budget_plans_the_schedule_and_stops_cleanly(tmp_path, packed):
+    model = tiny_model()
+    t0 = time.monotonic()
+    planned = train_codec(model, tiny_codec(model), packed.train, tmp_path / "planned",
+                          fast(steps=None, minutes=0.06), progress=False)
+    assert planned.total_steps > 3  # planned from the measured step time
+    # on a busy machine later steps can be slower than the measured one: then the budget still wins
+    assert planned.steps == planned.total_steps or planned.stopped_early
+    assert time.monotonic() - t0 < 0.06 * 60 + 3
+    assert _losses(planned.codec_path)["total_steps"] == planned.total_steps
+
+    capped = train_codec(model, tiny_codec(model), packed.train, tmp_path / "capped",
+                         fast(steps=100_000, minutes=0.03), progress=False)
+    assert capped.stopped_early and 0 < capped.steps < 100_000 and capped.total_steps == 100_000
+    assert ResidualCodec.load(capped.codec_path).extra["training"]["stopped_early"]
+
+
+def test_lr_schedule_warms_up_then_decays_linearly():
+    f = linear_warmup_decay(100, 0.02)
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(51) == pytest.approx(0.5) and f(99) == pytest.approx(1 / 98) and f(100) == 0.0
+
+
+def test_resume_refuses_changed_settings(tmp_path, packed):
+    model = tiny_model()
+    train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=2), progress=False)
+    with pytest.raises(TrainError, match="seed=1 .* used 0"):
+        train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=2, seed=1), progress=False)
+    with pytest.raises(TrainError, match="--steps 2"):
+        train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=5), progress=False)
+    with pytest.raises(TrainError, match="--steps N"):
+        TrainConfig(steps=None, minutes=None)
+
+
+def test_codec_refuses_a_model_with_another_config(tmp_path):
+    model = tiny_model()
+    path = tiny_codec(model).save(tmp_path / "codec")
+    other = tiny_model(num_key_value_heads=4)  # same d_kv per head, other KV layout
+    with pytest.raises(CodecError, match="num_kv_heads"):
+        ResidualCodec.load(path, model_config=other.config)
+    with pytest.raises(CodecError, match="does not fit"):
+        ResidualKVCache.from_model(tiny_model(rope_theta=5e5), ResidualCodec.load(path), CACHE_CFG)
+
+
+# ---------------------------------------------------------------------------------------------
+# A run killed with SIGKILL resumes from its last checkpoint, reads the same data, and finishes.
+
+RUNNER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {repo!r})
+    from tests.test_training import tiny_model, tiny_codec, fast, SEQ
+    from tests.test_packing import tiny_tokenizer
+    from residualkv.training.packing import LocalSource, pack_documents
+    from residualkv.training.trainer import train_codec
+
+    corpus, packed_root, out, delay = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    torch.set_num_threads(1)
+    packed = pack_documents(LocalSource(corpus), tiny_tokenizer(), SEQ, root=packed_root)
+    model = tiny_model()
+    # the delay stands in for a long step, so the parent can kill the run mid-way
+    result = train_codec(model, tiny_codec(model), packed.train, out, fast(steps=16, ckpt_every=4), progress=False,
+                         on_metrics=lambda step, m: time.sleep(delay))
+    print("RESULT", result.resumed_from, result.steps, result.codec_path, flush=True)
+""")
+
+
+def test_sigkill_then_resume_finishes_the_run(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(repo=str(REPO)))
+    out = tmp_path / "run"
+    args = [sys.executable, str(script), str(corpus), str(tmp_path / "packed"), str(out)]
+    env = os.environ | {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+
+    proc = subprocess.Popen(args + ["0.3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ckpts = out / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not list(ckpts.glob("step-*/trainer_state.json")):
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    saved = sorted(int(p.parent.name.split("-")[1]) for p in ckpts.glob("step-*/trainer_state.json"))
+    assert saved and saved[-1] < 16 and not (out / "codec").exists()
+
+    # the rerun (in this process: only the killed run needs its own) continues from the newest checkpoint
+    packed = pack_documents(LocalSource(corpus), tiny_tokenizer(), SEQ, root=tmp_path / "packed")
+    model = tiny_model()
+    done = train_codec(model, tiny_codec(model), packed.train, out, fast(steps=16, ckpt_every=4), progress=False)
+    assert done.resumed_from == saved[-1] and done.steps == 16
+    codec = ResidualCodec.load(done.codec_path, model_config=model.config)
+    assert codec.extra["training"]["steps"] == 16 and codec.extra["training"]["tokens"] == 16 * SEQ
+
+    # same data order and state: the interrupted run ends where an uninterrupted one does
+    ref = train_codec(model, tiny_codec(model), packed.train, tmp_path / "ref", fast(steps=16, ckpt_every=4),
+                      progress=False)
+    ref_codec = ResidualCodec.load(ref.codec_path)
+    for (name, a), b in zip(codec.state_dict().items(), ref_codec.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
+    from residualkv import cli
+
+    folder = tmp_path / "tiny-llama"
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    corpus = write_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "rkv-data"))
+    argv = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--steps", "3",
+            "--d-c", "32", "--d-ff", "48", "--eval-blocks", "1", "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    codec_path = Path(result["codec"])
+    assert codec_path.parent.parent == tmp_path / "rkv-data" / "codecs" / "tiny-llama"
+    assert result["steps"] == 3 and "eval/ppl_ratio" in result
+    assert ResidualCodec.load(codec_path).extra["training"]["data"]["source"] == str(corpus)
+    assert len((codec_path.parent / "metrics.jsonl").read_text().splitlines()) >= 2
+    # the same command again finds the finished run instead of starting over
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed_from"] == 3
