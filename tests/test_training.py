@@ -278,3 +278,20 @@ def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
     # the same command again finds the finished run instead of starting over
     assert cli.main(argv) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed_from"] == 3
+
+
+def test_rec_warmstart_fits_captured_kv_before_joint_training(tmp_path, packed):
+    from residualkv.training.warmstart import capture_kv, warm_start
+
+    model = tiny_model()
+    freeze_backbone(model)
+    codec = tiny_codec(model)
+    blocks = torch.tensor(packed.train[0:4]["input_ids"])
+    kv = capture_kv(model, blocks, codec.layer_ids)
+    assert all(v.shape == (4, SEQ, codec.dims.d_kv) for v in kv.values())
+    stats = warm_start(model, codec, blocks, steps=60, lr=1e-2, progress=False)
+    assert stats["warmstart/rec_mse_last"] < 0.8 * stats["warmstart/rec_mse_first"]
+    # wired into the trainer: a fresh run warm-starts, then trains jointly
+    result = train_codec(model, tiny_codec(model), packed.train, tmp_path / "run",
+                         fast(steps=2, init="rec-warmstart", warmstart_steps=5, warmstart_blocks=2), progress=False)
+    assert result.steps == 2

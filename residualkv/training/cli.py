@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .packing import pack_documents, resolve_source
-from .trainer import CHECKPOINTS, LOSSES, REC_REDUCTIONS, TrainConfig, train_codec
+from .trainer import CHECKPOINTS, INITS, LOSSES, REC_REDUCTIONS, TrainConfig, train_codec
 
 
 def register(subparsers) -> None:
@@ -43,7 +43,10 @@ def register(subparsers) -> None:
     t.add_argument("--rec-reduction", default="sum", choices=REC_REDUCTIONS,
                    help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE")
     t.add_argument("--rec-weight", type=float, default=1.0, help="L = rec_weight * L_rec + L_ntp")
-    t.add_argument("--init", default="default", choices=("default", "zero-decoder"))
+    t.add_argument("--init", default="default", choices=INITS,
+                   help="rec-warmstart: fit L_rec on captured true KV before the joint phase")
+    t.add_argument("--warmstart-steps", type=int, default=500)
+    t.add_argument("--warmstart-blocks", type=int, default=32)
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
     t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
     t.add_argument("--d-ff", type=int, default=None, help="SwiGLU width (default: the backbone YAML's)")
@@ -92,6 +95,7 @@ def cmd_train(args) -> int:
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
                          rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
+                         warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
                          ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
     source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,

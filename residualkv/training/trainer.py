@@ -44,6 +44,7 @@ from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
 
 LOSSES = ("rec+ntp", "rec", "ntp")
+INITS = ("default", "zero-decoder", "rec-warmstart")
 REC_REDUCTIONS = ("sum", "mean")
 CHECKPOINTS = "checkpoints"
 CODEC = "codec"
@@ -71,7 +72,10 @@ class TrainConfig:
     loss: str = "rec+ntp"
     rec_reduction: str = "sum"
     rec_weight: float = 1.0
-    init: str = "default"  # "default" (nn.Linear init) or "zero-decoder" (start at kv_hat = mean_ref)
+    init: str = "default"  # "default" (nn.Linear init), "zero-decoder" (start at kv_hat = mean_ref) or
+    # "rec-warmstart" (fit L_rec on captured true KV first, see warmstart.py)
+    warmstart_steps: int = 500
+    warmstart_blocks: int = 32
     bf16: bool = False
     grad_checkpointing: bool = False
     seed: int = 0
@@ -93,7 +97,9 @@ class TrainConfig:
         _check(self.loss in LOSSES, "loss", self.loss, f"choose one of {LOSSES}")
         _check(self.rec_reduction in REC_REDUCTIONS, "rec_reduction", self.rec_reduction, f"choose one of {REC_REDUCTIONS}")
         _check(self.rec_weight >= 0, "rec_weight", self.rec_weight, "use a non-negative weight")
-        _check(self.init in ("default", "zero-decoder"), "init", self.init, "choose 'default' or 'zero-decoder'")
+        _check(self.init in INITS, "init", self.init, f"choose one of {INITS}")
+        _check(self.warmstart_steps >= 1 and self.warmstart_blocks >= 1, "warmstart_steps", self.warmstart_steps,
+               "use at least one warm-start step and block")
         _check(self.eval_blocks >= 0, "eval_blocks", self.eval_blocks, "use 0 or more held-out blocks")
 
     def to_dict(self) -> dict[str, Any]:
@@ -281,6 +287,13 @@ class CodecTrainer:
         self.resumed_from = self._latest_checkpoint()
         if self.resumed_from is not None:
             self._load_codec_weights(codec, self.resumed_from)
+        elif config.init == "rec-warmstart":  # a resumed run already carries its warm start
+            from .warmstart import warm_start
+
+            n = min(config.warmstart_blocks, len(train_data))
+            blocks = torch.tensor(train_data.select(range(n))["input_ids"])
+            self.warmstart = warm_start(model, codec, blocks, steps=config.warmstart_steps, lr=config.lr,
+                                        seed=config.seed, on_metrics=on_metrics, progress=progress)
         self.codec, self.train_data = codec, train_data
         self.sampler = EpochSampler(len(train_data), config.seed)
         loader = DataLoader(train_data.with_format("torch", columns=["input_ids"]), batch_size=config.batch_size,
