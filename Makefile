@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 	$(VPY) -m residualkv.backbones fetch $(BACKBONE)
 
+# the whole pipeline on the embedded defaults: pack, train, validate, benchmark, register in MLflow
 run: setup
-	$(VPY) -m residualkv.cli demo
+	$(VPY) -m residualkv.cli run --profile quick
 
 # ALLOW_NO_TESTS=1 (set by .ci/run) accepts pytest's exit 5, "no tests collected": make itself
 # would report any failure as 2, so the check has to live here, next to pytest.

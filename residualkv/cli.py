@@ -7,6 +7,7 @@ Contracts other tools rely on (keep them stable, extend rather than rename):
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_train(sub)
     register_eval(sub)
+    # `rkv run / bench-regress / deploy` live with the flows, which own Prefect and MLflow; flows.cli
+    # imports neither until a command runs, so the library stays free of them
+    importlib.import_module("flows.cli").register(sub)
     return p
 
 

@@ -88,6 +88,15 @@ def test_promotion_rule_is_explicit_and_logged(store, tmp_path):
     d4 = store.promote_if_not_worse(v4.name, v4.version, rule)
     assert d4.promoted, d4.reason  # within the score tolerance, same bytes
     assert str(store.get_version(f"models:/{v1.name}@champion").version) == "4"
+    # no task signal on either side (scores 0): the perplexity guard still catches a worse codec
+    v6 = store.register_codec(make_codec(tmp_path / "c6", seed=6), suite=suite,
+                              metrics={"rel_score": 0.945, "kr_measured": 0.2, "ppl_rel": 13.0})
+    v7 = store.register_codec(make_codec(tmp_path / "c7", seed=7), suite=suite,
+                              metrics={"rel_score": 0.945, "kr_measured": 0.2, "ppl_rel": 226.0})
+    assert store.promote_if_not_worse(v6.name, v6.version, rule).promoted
+    d7 = store.promote_if_not_worse(v7.name, v7.version, rule)
+    assert not d7.promoted and "ppl_rel 226.0000 > champion 13.0000 * (1 + 0.05)" in d7.reason
+    assert str(store.get_version(f"models:/{v1.name}@champion").version) == v6.version
     # the decision and the rule are on the version and in its run (tag + text artifact)
     from registry.store import client
 
@@ -98,11 +107,11 @@ def test_promotion_rule_is_explicit_and_logged(store, tmp_path):
     text = Path(client().download_artifacts(v2.run_id, "promotion/decision_v2.txt", str(tmp_path))).read_text()
     assert "NOT promoted" in text and "rule: promote iff" in text
     # a champion benchmarked on another suite is not compared blindly
-    v5 = store.register_codec(make_codec(tmp_path / "c5", seed=5), metrics={"rel_score": 0.99, "kr_measured": 0.2},
+    v5 = store.register_codec(make_codec(tmp_path / "c5", seed=5), metrics={"rel_score": 0.99, "kr_measured": 0.2, "ppl_rel": 12.0},
                               suite={"suite": "other"})
     d5 = store.promote_if_not_worse(v5.name, v5.version)
     assert not d5.promoted and "different suites" in d5.reason
-    d5b = store.promote_if_not_worse(v5.name, v5.version, champion_metrics={"rel_score": 0.95, "kr_measured": 0.2})
+    d5b = store.promote_if_not_worse(v5.name, v5.version, champion_metrics={"rel_score": 0.95, "kr_measured": 0.2, "ppl_rel": 13.0})
     assert d5b.promoted
 
 

@@ -165,6 +165,18 @@ def test_scheduled_retraining_deployment_runs_once_on_a_prefect_server(tmp_path,
         facts = asyncio.run(_deployment_facts(api))
         assert facts["crons"] == ["17 4 * * 2"] and facts["parameters"] == {"profile": str(profile)}
         assert "COMPLETED" in facts["states"]
+
+        # scale-out: the same deployment on a work pool, executed by a `prefect worker`
+        env = isolated_env(data, PREFECT_API_URL=api)
+        deploy = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--profile", str(profile),
+                                 "--work-pool", "rkv-test"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        assert "registered on work pool 'rkv-test'" in deploy.stdout
+        run_id = asyncio.run(_trigger(api))
+        worker = subprocess.run([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rkv-test", "--run-once"],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert worker.returncode == 0, worker.stdout[-3000:] + worker.stderr[-3000:]
+        assert asyncio.run(_state(api, run_id)) == "COMPLETED"
     monkeypatch.setenv("RKV_DATA_DIR", str(data))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", rkv_env.default_tracking_uri(data))
     import registry
@@ -184,3 +196,24 @@ async def _deployment_facts(api: str) -> dict:
             runs = await c.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [d.id]}))
             return {"crons": [s.schedule.cron for s in d.schedules], "parameters": d.parameters,
                     "states": [r.state.type.value for r in runs]}
+
+
+async def _trigger(api: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}):
+        async with get_client() as c:
+            d = await c.read_deployment_by_name("rkv-retrain/retrain-micro")
+            assert d.work_pool_name == "rkv-test"
+            run = await c.create_flow_run_from_deployment(d.id)
+            return str(run.id)
+
+
+async def _state(api: str, run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}):
+        async with get_client() as c:
+            return (await c.read_flow_run(run_id)).state.type.value

@@ -1,0 +1,104 @@
+"""Pipeline commands for `rkv` (registered by residualkv/cli.py), also runnable as `python -m flows.cli ...`.
+
+    rkv run [--profile quick]                         the whole pipeline; ends with a summary table
+    rkv bench-regress [--codec models:/NAME@champion] [--tolerance 0.02] [--against auto|self|champion]
+    rkv deploy [--profile quick] [--run-now] [--run-once] [--work-pool NAME]   scheduled retraining
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    r = subparsers.add_parser("run", help="the whole pipeline: train, validate, benchmark, register (Prefect + MLflow)")
+    r.add_argument("--profile", default="quick", help="configs/pipelines/<profile>.yaml, or a path to one")
+    r.add_argument("--json", default=None, metavar="OUT", help="also write the run summary as JSON")
+    r.set_defaults(func=cmd_run)
+
+    b = subparsers.add_parser("bench-regress", help="re-evaluate a registered codec version; non-zero on regressions")
+    b.add_argument("--codec", default=None, help="models:/NAME@ALIAS or models:/NAME/VERSION "
+                                                 "(default: the champion of the profile's first backbone)")
+    b.add_argument("--profile", default="quick", help="names the default model (rkv-<backbone>) when --codec is not given")
+    b.add_argument("--tolerance", type=float, default=0.02,
+                   help="allowed worsening: absolute for scores and KR, relative for perplexities (default 0.02)")
+    b.add_argument("--against", default="auto", choices=("auto", "self", "champion"),
+                   help="baseline: auto = the version's own metrics if it is the champion, else the champion's")
+    b.add_argument("--json", default=None, metavar="OUT", help="also write the comparison as JSON")
+    b.set_defaults(func=cmd_bench_regress)
+
+    d = subparsers.add_parser("deploy", aliases=["serve-schedule"],
+                              help="scheduled retraining: Prefect deployment with the profile's cron schedule")
+    d.add_argument("--profile", default="quick")
+    d.add_argument("--run-now", action="store_true", help="also trigger one run immediately")
+    d.add_argument("--run-once", action="store_true", help="execute due runs once, wait for them, exit")
+    d.add_argument("--timeout", type=float, default=3600.0, help="--run-once: seconds to wait for the run")
+    d.add_argument("--work-pool", default=None, help="register on this work pool for `prefect worker` instead of serving")
+    d.add_argument("--port", type=int, default=None, help="port of the local Prefect server started when "
+                                                           "PREFECT_API_URL is not set (default: a free one)")
+    d.set_defaults(func=cmd_deploy)
+
+
+def cmd_run(args) -> int:
+    import json
+
+    from .retrain import run_profile
+
+    code, summary = run_profile(args.profile)
+    if args.json and summary is not None:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return code
+
+
+def default_uri(profile: str) -> str:
+    from tasks.backbones import backbone_name
+
+    from .profiles import load_profile
+
+    prof = load_profile(profile)
+    name = prof.registry["model_name"].format(backbone=backbone_name(prof.backbones[0]))
+    return f"models:/{name}@champion"
+
+
+def cmd_bench_regress(args) -> int:
+    import json
+
+    import registry
+
+    from .bench_regress import bench_regress
+
+    uri = args.codec or default_uri(args.profile)
+    try:
+        report = bench_regress(uri, tolerance=args.tolerance, against=args.against)
+    except registry.RegistryError as error:
+        print(f"bench-regress: cannot check {uri}: {error}", file=sys.stderr)
+        return 2
+    print(report.text())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"uri": uri, "version": report.version, "passed": report.passed,
+                       "baseline": report.baseline_source, "measured": report.measured,
+                       "comparisons": [{"metric": c.metric, "baseline": c.baseline, "measured": c.measured,
+                                        "allowed": c.allowed, "regressed": c.regressed} for c in report.comparisons]},
+                      f, indent=2)
+    return 0 if report.passed else 1
+
+
+def cmd_deploy(args) -> int:
+    from .deploy import deploy_command
+
+    return deploy_command(args.profile, run_now=args.run_now, run_once=args.run_once, timeout=args.timeout,
+                          work_pool=args.work_pool, port=args.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.cli", description=__doc__.split("\n\n")[0])
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Pipeline profiles: `configs/pipelines/<name>.yaml`, read into one typed object and checked up front.
+
+A profile names the backbones to train codecs for and the settings of every step of the retraining
+flow (data, training, accounting, evaluation, throughput, registry, schedule). Unknown keys fail
+loudly, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from residualkv.paths import configs_dir
+
+SECTIONS = {
+    "name": None, "description": None, "backbones": None, "data": None, "train": None, "accounting": None,
+    "evaluate": None, "throughput": None, "registry": None, "schedule": None,
+}
+DEFAULTS: dict[str, Any] = {
+    "data": {"source": "offline", "seq_len": 512, "text_field": "text"},
+    "train": {"steps": None, "minutes": None, "batch_size": 1, "grad_accum": 1, "lr": 2e-4, "warmup_frac": 0.02,
+              "loss": "rec+ntp", "rec_reduction": "sum", "rec_weight": 1.0, "init": "default", "bf16": False,
+              "grad_checkpointing": False, "seed": 0, "log_every": 10, "ckpt_every": 50, "eval_blocks": 8,
+              "bits": None, "d_c": None, "d_ff": None, "retries": 1, "torch_threads": None,
+              "launch": None},  # e.g. ["--multi_gpu", "--num_processes", "8"]: train under `accelerate launch`
+    "accounting": {"methods": ["full", "kivi4", "kivi2", "residualkv-dagger", "residualkv", "residualkv-int2"],
+                   "context_lens": [2048], "kr_tol": 0.03},
+    "evaluate": {"methods": ["full", "kivi4", "kivi2", "residualkv-dagger", "residualkv", "residualkv-int2"],
+                 "options": {}},
+    "throughput": {"methods": ["full", "residualkv"], "context_lens": [1024, 2048], "new_tokens": 16, "repeats": 1,
+                   "gpu_script": "benchmarks/gpu_bench.py"},
+    "registry": {"model_name": "rkv-{backbone}", "method": "residualkv", "register": True, "promote": True,
+                 "tracking_uri": None,  # None: $MLFLOW_TRACKING_URI, else the embedded SQLite store
+                 "promotion": {"score_metric": "rel_score", "score_tol": 0.01, "kr_metric": "kr_measured",
+                               "kr_tol": 0.005, "higher_is_better": True, "ppl_metric": "ppl_rel", "ppl_tol": 0.05}},
+    "schedule": {"cron": "0 3 * * 1", "timezone": "UTC", "deployment": None},
+}
+
+
+class ProfileError(ValueError):
+    """A pipeline profile is malformed; the message names the file, the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    backbones: list[Any]  # registered names, YAML paths, or {name, tiny_random: {...}} entries
+    data: dict[str, Any]
+    train: dict[str, Any]
+    accounting: dict[str, Any]
+    evaluate: dict[str, Any]
+    throughput: dict[str, Any]
+    registry: dict[str, Any]
+    schedule: dict[str, Any]
+    path: Path | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.raw, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.raw)
+
+
+def profile_path(name_or_path: str | Path) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml"):
+        if not candidate.is_file():
+            raise ProfileError(f"no pipeline profile at {candidate}")
+        return candidate.resolve()
+    folder = configs_dir() / "pipelines"
+    path = folder / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise ProfileError(f"unknown pipeline profile {str(name_or_path)!r}; known: {', '.join(known)} "
+                           f"(in {folder}), or pass a path to a profile YAML")
+    return path
+
+
+def _merge(section: str, given: Any, where: Path) -> dict[str, Any]:
+    default = DEFAULTS[section]
+    if given is None:
+        return copy.deepcopy(default)
+    if not isinstance(given, dict):
+        raise ProfileError(f"{where}: `{section}` must be a mapping")
+    open_keys = {"options"} if section == "evaluate" else set()
+    unknown = sorted(set(given) - set(default) - open_keys)
+    if unknown:
+        raise ProfileError(f"{where}: unknown key(s) {unknown} in `{section}`; known: {sorted(default)}")
+    out = copy.deepcopy(default)
+    for key, value in given.items():
+        if isinstance(out.get(key), dict) and isinstance(value, dict) and key != "options":
+            bad = sorted(set(value) - set(out[key]))
+            if bad:
+                raise ProfileError(f"{where}: unknown key(s) {bad} in `{section}.{key}`; known: {sorted(out[key])}")
+            out[key].update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    path = profile_path(name_or_path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{path}: expected a mapping with keys {sorted(SECTIONS)}")
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ProfileError(f"{path}: unknown top-level key(s) {unknown}; known: {sorted(SECTIONS)}")
+    backbones = raw.get("backbones")
+    if not backbones or not isinstance(backbones, list):
+        raise ProfileError(f"{path}: `backbones` must be a non-empty list (registered names, YAML paths, or "
+                           "{name, tiny_random} entries)")
+    for entry in backbones:
+        if isinstance(entry, dict) and not ({"name", "tiny_random"} <= set(entry)):
+            raise ProfileError(f"{path}: backbone entry {entry} needs `name` and `tiny_random`")
+        if not isinstance(entry, (str, dict)):
+            raise ProfileError(f"{path}: backbone entry {entry!r} must be a name, a path or a mapping")
+    sections = {s: _merge(s, raw.get(s), path) for s in DEFAULTS}
+    train = sections["train"]
+    if train["steps"] is None and train["minutes"] is None:
+        raise ProfileError(f"{path}: set train.steps (schedule length) or train.minutes (time budget)")
+    if sections["registry"]["method"] not in sections["evaluate"]["methods"]:
+        raise ProfileError(f"{path}: registry.method {sections['registry']['method']!r} must be one of "
+                           f"evaluate.methods {sections['evaluate']['methods']}")
+    if "full" not in sections["evaluate"]["methods"]:
+        raise ProfileError(f"{path}: evaluate.methods must include 'full' (scores are relative to the full cache)")
+    from residualkv.evaluation.harness import known_method
+
+    for section in ("accounting", "evaluate", "throughput"):
+        unknown_methods = [m for m in sections[section]["methods"] if not known_method(m)]
+        if unknown_methods:
+            from residualkv.methods import METHODS
+
+            raise ProfileError(f"{path}: unknown method(s) {unknown_methods} in `{section}.methods`; known: "
+                               f"{', '.join(METHODS)}, snapkv, snapkv-NN")
+    return Profile(name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
+                   backbones=list(backbones), path=path, raw=raw, **sections)
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "pipelines").glob("*.yaml"))

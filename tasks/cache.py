@@ -1,0 +1,84 @@
+"""Content-addressed step folders: a re-run finds what a previous run finished, and resumes the rest.
+
+Every expensive step (training, accounting, evaluation, throughput) works in
+
+    <data_dir>/pipeline/<step>/<key>/          key = sha256(step inputs + source of the code it runs)
+
+and writes `result.json` there as its last act (atomically). A re-run with the same inputs and the
+same code returns that result without recomputing; an interrupted step finds its folder again, which
+is how training resumes from its last checkpoint. Changing an input or the code it depends on changes
+the key, so a stale result is never reused. This plays the part of Prefect's INPUTS + TASK_SOURCE
+cache policy, but the cache lives beside the outputs it describes: delete the outputs and the cache
+entry goes with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from residualkv.paths import data_dir
+
+RESULT = "result.json"
+
+
+def _canonical(payload: Any) -> str:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def source_hash(*modules: str) -> str:
+    """sha256 of the source files of the named modules (a package means all its .py files)."""
+    h = hashlib.sha256()
+    for name in sorted(modules):
+        mod = importlib.import_module(name)
+        path = Path(mod.__file__)
+        files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+        for file in files:
+            h.update(file.as_posix().split("/")[-1].encode() + b"\0" + file.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def step_key(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(_canonical(payload).encode()).hexdigest()[:16]
+
+
+def step_dir(step: str, payload: dict[str, Any], root: Path | None = None) -> Path:
+    return (root or data_dir() / "pipeline") / step / step_key(payload)
+
+
+def read_result(folder: Path) -> dict[str, Any] | None:
+    path = folder / RESULT
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # a torn file cannot happen with write_result, but never trust it
+
+
+def write_result(folder: Path, result: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".result.", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, folder / RESULT)
+
+
+def cached_step(step: str, payload: dict[str, Any], compute: Callable[[Path], dict[str, Any]], *,
+                use_cache: bool = True, validate: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    """Run compute(folder) once per (step, payload); later calls return the stored result (with cached=True)."""
+    folder = step_dir(step, payload)
+    if use_cache:
+        found = read_result(folder)
+        if found is not None and (validate is None or validate(found)):
+            return found | {"cached": True, "step_dir": str(folder)}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "inputs.json").write_text(_canonical(payload))
+    result = compute(folder)
+    write_result(folder, result)
+    return result | {"cached": False, "step_dir": str(folder)}

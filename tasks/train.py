@@ -1,0 +1,182 @@
+"""Train a codec for one backbone (residualkv.training, accelerate), resumable and cached by input hash.
+
+The run folder is `<data>/codecs/<backbone>/pipeline-<key>/` (beside `rkv train`'s runs, so `rkv eval`
+and `rkv generate` find the newest codec), key = hash(backbone fingerprint, packed-data
+fingerprint, training settings, codec sizes, cache config, source of the training code). So:
+  - a finished run is returned at once by a re-run (result.json is written last);
+  - a run killed mid-way (or failed and retried by Prefect) finds its folder again and the trainer
+    resumes from its newest checkpoint (`checkpoints/step-N`), without redoing finished steps.
+Metrics go to `metrics.jsonl` in the folder and, live, to the MLflow run when one is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from residualkv.backbones import fingerprint, fingerprint_hash, load_backbone
+from residualkv.cli import base_config, codecs_dir
+from residualkv.codec import CodecError, ResidualCodec
+from residualkv.config import ResidualKVConfig
+from residualkv.training import TrainConfig
+from residualkv.training import train_codec as run_training
+
+from .cache import read_result, source_hash, step_key, write_result
+from .common import say, set_threads
+from .data import packed_data
+
+log = logging.getLogger(__name__)
+
+# pipeline-only keys of a profile's `train:` section (not TrainConfig fields)
+PIPELINE_KEYS = ("bits", "d_c", "d_ff", "retries", "torch_threads", "launch")
+# TrainConfig fields that do not change what is learned (kept out of the cache key)
+NOT_IN_KEY = ("log_every", "minutes")
+
+
+def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    cache_config = base_config(spec)
+    bits = config.get("bits") or cache_config.bits
+    codec_defaults = spec.codec if spec else {}
+    d_c, d_ff = config.get("d_c") or codec_defaults.get("d_c"), config.get("d_ff") or codec_defaults.get("d_ff")
+    if not d_c or not d_ff:
+        raise ValueError(f"{spec.name if spec else 'this backbone'}: set train.d_c and train.d_ff in the profile")
+    train = {k: v for k, v in config.items() if k not in PIPELINE_KEYS and k not in NOT_IN_KEY}
+    return {
+        "backbone": spec.name if spec else "", "fingerprint": fingerprint_hash(fingerprint(model)),
+        "data": packed["fingerprint"], "seq_len": packed["seq_len"], "train": train,
+        "budget_minutes": config.get("minutes"), "d_c": int(d_c), "d_ff": int(d_ff),
+        "launch": config.get("launch"),  # another process layout is another run (the trainer resumes only its own)
+        "cache_config": cache_config.replace(bits=bits).to_dict(),
+        # the trainer and the codec define what is learned; library edits elsewhere (cache layouts,
+        # sparse attention) do not invalidate hours of training (measurements re-run on those instead)
+        "code": source_hash("residualkv.training", "residualkv.codec", "tasks.train"),
+    }
+
+
+def _finished(folder: Path) -> dict[str, Any] | None:
+    done = read_result(folder)
+    if done is None:
+        return None
+    try:
+        ResidualCodec.load(done["codec_dir"])
+    except (CodecError, OSError, KeyError):
+        return None
+    return done
+
+
+def _metrics_sink(folder: Path, run_id: str | None):
+    path = folder / "metrics.jsonl"
+    client = None
+    if run_id:
+        from registry.store import client as mlflow_client
+
+        client = mlflow_client()
+
+    def on_metrics(step: int, metrics: dict[str, Any]) -> None:
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **numeric}) + "\n")
+        if client is not None:
+            try:  # never let a tracking hiccup stop training; log_results backfills from metrics.jsonl
+                import time
+
+                from mlflow.entities import Metric
+
+                now = int(time.time() * 1000)
+                client.log_batch(run_id, metrics=[Metric(f"train/{k}".replace("train/eval/", "train_eval/"), v, now, step)
+                                                  for k, v in numeric.items()])
+            except Exception as error:  # noqa: BLE001
+                log.warning("could not log training metrics to MLflow: %s", error)
+
+    return on_metrics
+
+
+def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any], *, run_id: str | None = None,
+              use_cache: bool = True, progress: bool = True, _rank_of: str | None = None) -> dict[str, Any]:
+    """The train task's body: reuse a finished run, else train (resuming from the run folder's checkpoints)."""
+    if config.get("seq_len") not in (None, packed["seq_len"]):
+        raise ValueError(f"train seq_len={config['seq_len']} but the data was packed into {packed['seq_len']}-token blocks")
+    config = dict(config) | {"seq_len": packed["seq_len"]}
+    set_threads(config.get("torch_threads"))
+    model, tokenizer, spec = load_backbone(backbone_ref)  # a private copy: training freezes/wraps it
+    payload = train_payload(model, spec, packed, config)
+    folder = Path(_rank_of) if _rank_of else codecs_dir(payload["backbone"] or "unnamed") / f"pipeline-{step_key(payload)}"
+    if use_cache and (done := _finished(folder)) is not None:
+        say(f"training: reusing the finished run in {folder} ({done['steps']} steps)")
+        return done | {"cached": True}
+    folder.mkdir(parents=True, exist_ok=True)
+    if not _rank_of:
+        (folder / "inputs.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+    if config.get("launch") and not _rank_of:  # scale-out: the same training under `accelerate launch` (DDP over processes/machines)
+        return _launched(backbone_ref, packed, config, folder, run_id)
+    cache_config = ResidualKVConfig.from_dict(payload["cache_config"])
+    codec = ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
+                                    backbone=payload["backbone"], seed=int(config.get("seed", 0)))
+    train_cfg = TrainConfig(**{k: v for k, v in config.items() if k not in PIPELINE_KEYS})
+    data = packed_data(backbone_ref, {"source": packed["source"], "seq_len": packed["seq_len"]})
+    if data.meta["fingerprint"] != packed["fingerprint"]:
+        raise ValueError(f"the packed data changed under this run ({data.meta['fingerprint']} != {packed['fingerprint']})")
+    data_info = {"source": packed["source"], "fingerprint": packed["fingerprint"], "seq_len": packed["seq_len"],
+                 "train_blocks": packed["train_blocks"], "heldout_blocks": packed["heldout_blocks"]}
+    result = run_training(model, codec, data.train, folder, train_cfg, heldout_data=data.heldout, data_info=data_info,
+                          on_metrics=_metrics_sink(folder, run_id), progress=progress)
+    out = {"codec_dir": str(result.codec_path), "run_dir": str(folder), "steps": result.steps,
+           "total_steps": result.total_steps, "tokens": result.tokens, "train_seconds": result.seconds,
+           "resumed_from": result.resumed_from, "stopped_early": result.stopped_early, "metrics": result.metrics,
+           "metrics_file": str(folder / "metrics.jsonl"), "backbone": payload["backbone"],
+           "fingerprint": payload["fingerprint"], "data_fingerprint": packed["fingerprint"], "key": folder.name}
+    if _is_main_process():
+        write_result(folder, out)  # last: marks the run finished for the next caller
+    if result.resumed_from is not None:
+        say(f"training resumed from step {result.resumed_from}")
+    return out | {"cached": False}
+
+
+@task(name="train-codec", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
+def train_codec(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
+    """Train (or resume, or reuse) the codec for one backbone; a Prefect retry resumes from the last checkpoint."""
+    return run_train(backbone_ref, packed, config, run_id=run_id)
+
+
+def _is_main_process() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def _launched(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any], folder: Path,
+              run_id: str | None) -> dict[str, Any]:
+    """Run this task's training under `accelerate launch <config['launch']...>` and read its result.
+
+    config['launch'] holds accelerate's own arguments, e.g. ["--multi_gpu", "--num_processes", "8"] or,
+    per machine of a multi-node job, ["--num_machines", "2", "--machine_rank", "0", "--main_process_ip",
+    "10.0.0.1", "--main_process_port", "29500", "--num_processes", "16"]; ["--cpu", "--num_processes", "2"]
+    runs two CPU processes (what the test does).
+    """
+    import subprocess
+    import sys
+
+    args = config["launch"] if isinstance(config["launch"], list) else str(config["launch"]).split()
+    job = folder / "launch.json"
+    job.write_text(json.dumps({"backbone_ref": backbone_ref, "packed": packed, "config": config, "run_id": run_id,
+                               "folder": str(folder)}))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *map(str, args), "-m", "tasks.train", str(job)]
+    say(f"training under accelerate: {' '.join(cmd)}")
+    subprocess.run(cmd, check=True)
+    done = _finished(folder)
+    if done is None:
+        raise RuntimeError(f"`accelerate launch` finished but {folder} holds no finished codec")
+    return done | {"cached": False, "launched": args}
+
+
+if __name__ == "__main__":  # one rank of an `accelerate launch` started by _launched
+    import sys
+
+    job = json.loads(Path(sys.argv[1]).read_text())
+    run_train(job["backbone_ref"], job["packed"], job["config"], run_id=job["run_id"], progress=_is_main_process(),
+              _rank_of=job["folder"])
