@@ -17,8 +17,8 @@ import torch
 
 from . import accounting
 from .backbones import get_backbone, load_backbone
-from .codec import ResidualCodec
-from .config import ResidualKVConfig, load_codec_defaults
+from .codec import CodecError, ResidualCodec
+from .config import ConfigError, ResidualKVConfig, load_codec_defaults
 from .methods import METHODS, build_cache, get_method
 from .paths import data_dir
 
@@ -191,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (CodecError, ConfigError) as error:  # the message names the field and the fix: no traceback
+        print(f"rkv {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
