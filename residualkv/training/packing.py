@@ -241,7 +241,9 @@ def _build(source: Source, tokenizer, seq_len: int, heldout_fraction: float, met
     meta |= {"n_documents": len(docs), "n_heldout_documents": int(sum(tokens["heldout"])),
              "train_blocks": len(splits["train"]), "heldout_blocks": len(splits["heldout"])}
     _save_atomically(datasets.DatasetDict(splits), meta, folder)
-    return _load(folder)
+    # the in-memory splits, not a reload: datasets cannot reload an empty split (a tiny corpus may
+    # have no held-out document)
+    return PackedData(train=splits["train"], heldout=splits["heldout"], path=folder, meta=meta)
 
 
 def _documents_table(source: Source):
