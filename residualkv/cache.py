@@ -550,7 +550,7 @@ class ResidualLayer(_GroupedLayer):
         n_new = T
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         k_pre = invert_rope(k.float(), cos[:, -n_new:], sin[:, -n_new:])
-        kv = torch.cat([_flat(k_pre), _flat(v.float())], dim=-1)
+        kv = torch.cat([flat_heads(k_pre), flat_heads(v.float())], dim=-1)
         new = store.write(kv)
         if self.rec_terms is not None:
             self.rec_terms.append((new - kv).pow(2).sum())
@@ -587,7 +587,7 @@ class KiviLayer(_GroupedLayer):
         return _sum_dicts(s.nbytes() for s in self.stores)
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:
+def flat_heads(x: torch.Tensor) -> torch.Tensor:
     """[B, H, T, D] -> [B, T, H·D]"""
     B, H, T, D = x.shape
     return x.transpose(1, 2).reshape(B, T, H * D)

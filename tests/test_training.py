@@ -295,3 +295,100 @@ def test_rec_warmstart_fits_captured_kv_before_joint_training(tmp_path, packed):
     result = train_codec(model, tiny_codec(model), packed.train, tmp_path / "run",
                          fast(steps=2, init="rec-warmstart", warmstart_steps=5, warmstart_blocks=2), progress=False)
     assert result.steps == 2
+
+
+def test_capture_fisher_is_the_gradient_wrt_pre_rope_kv(packed):
+    """Llama's k_proj/v_proj outputs are the pre-RoPE K/V: the captured Fisher must be built from their gradients."""
+    from residualkv.training.warmstart import capture
+
+    model = tiny_model()
+    freeze_backbone(model)
+    layers = [1, 3]
+    ids = torch.tensor(packed.train[0:1]["input_ids"])
+    kv, fim = capture(model, ids, layers, fisher=True)
+    got: dict = {}
+
+    def hook(key):
+        def fn(mod, inp, out):
+            out = out.detach().requires_grad_()
+            got[key] = out
+            return out
+        return fn
+
+    handles = [getattr(model.model.layers[i].self_attn, p).register_forward_hook(hook((i, p)))
+               for i in layers for p in ("k_proj", "v_proj")]
+    try:
+        loss = model(input_ids=ids, labels=ids).loss
+        grads = torch.autograd.grad(loss, [got[(i, p)] for i in layers for p in ("k_proj", "v_proj")])
+    finally:
+        for h in handles:
+            h.remove()
+    for j, i in enumerate(layers):
+        true_kv = torch.cat([got[(i, "k_proj")], got[(i, "v_proj")]], -1).detach()
+        torch.testing.assert_close(kv[i], true_kv, atol=1e-5, rtol=1e-4)
+        g = torch.cat([grads[2 * j], grads[2 * j + 1]], -1)[0].double()
+        torch.testing.assert_close(fim[i], g.T @ g, atol=1e-12, rtol=1e-4)
+
+
+def test_weighted_pca_is_optimal_and_reduces_to_pca():
+    from residualkv.training.warmstart import weighted_pca
+
+    torch.manual_seed(0)
+    r = torch.randn(4000, 12) * torch.linspace(3, 0.1, 12)  # energy concentrated in the first coordinates
+    enc, dec, kept = weighted_pca(r, torch.eye(12), d_c=4, alpha=1.0)
+    err = (r - (r @ enc) @ dec.T).pow(2).sum(1).mean()
+    ev = torch.linalg.eigvalsh((r.T @ r / r.shape[0]).double()).flip(0)
+    assert err.item() == pytest.approx(ev[4:].sum().item(), rel=1e-3)  # Eckart–Young: the discarded energy
+    assert kept == pytest.approx((ev[:4].sum() / ev.sum()).item(), rel=1e-6)
+    # a metric that only values the last coordinate makes the code keep it, whatever its energy
+    fisher = torch.diag(torch.tensor([0.0] * 11 + [1.0]))
+    enc, dec, _ = weighted_pca(r, fisher, d_c=1, alpha=0.0)
+    rec = (r @ enc) @ dec.T
+    assert (rec[:, -1] - r[:, -1]).abs().max() < 1e-3
+
+
+def test_fisher_pca_init_fits_the_encoder_and_beats_the_random_codec(tmp_path, packed):
+    from residualkv.schedule import ReferenceSchedule
+    from residualkv.training.warmstart import capture_kv, fisher_pca_init
+    from residualkv.cache import ResidualStore
+
+    model = tiny_model()
+    freeze_backbone(model)
+    blocks = torch.tensor(packed.train[0:4]["input_ids"])
+    held_out = capture_kv(model, torch.tensor(packed.train[4:6]["input_ids"]), [1, 2, 3])
+
+    def rec_mse(codec):  # through the cache's write path, on sequences the init never saw
+        cfg = codec.config
+        with torch.no_grad():
+            return sum((ResidualStore(codec.layer(i), cfg, ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha))
+                        .write(held_out[i]) - held_out[i]).pow(2).mean().item() for i in codec.layer_ids)
+
+    codec = tiny_codec(model)
+    before = rec_mse(codec)
+    stats = fisher_pca_init(model, codec, blocks, steps=150, progress=False)
+    assert 0 < stats["warmstart/fisher_energy_kept"] <= 1
+    # random weights give zero-centred K/V, which a bias-free SwiGLU fits poorly (real models: ~1%, module docstring)
+    assert stats["warmstart/encoder_fit_rel_err"] < 0.9
+    assert rec_mse(codec) < 0.8 * before
+    # wired into the trainer
+    result = train_codec(model, tiny_codec(model), packed.train, tmp_path / "run",
+                         fast(steps=1, init="fisher-pca", warmstart_steps=20, warmstart_blocks=2), progress=False)
+    assert result.steps == 1
+
+
+def test_swiglu_encoder_fits_a_linear_code_on_offset_data():
+    """Real K/V sit away from the origin (large per-channel offsets): there f_c(x) - f_c(m) is close to its
+    Jacobian times x - m, so the bias-free SwiGLU can be regressed onto the closed-form linear code."""
+    from residualkv.config import CodecDims
+    from residualkv.codec import LayerCodec
+    from residualkv.training.warmstart import fit_encoder
+
+    g = torch.Generator().manual_seed(0)
+    mu = torch.randn(32, generator=g) * 4
+    x = mu + torch.randn(6000, 32, generator=g)
+    m = mu + torch.randn(6000, 32, generator=g)
+    enc = torch.randn(32, 8, generator=g) / 32 ** 0.5
+    torch.manual_seed(0)
+    layer = LayerCodec(CodecDims(d_kv=32, d_c=8, d_ff=96))
+    err = fit_encoder(layer, x, m, (x - m) @ enc, steps=300, batch=512, lr=3e-3, generator=g)
+    assert err < 0.05

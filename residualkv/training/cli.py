@@ -44,8 +44,12 @@ def register(subparsers) -> None:
                    help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE")
     t.add_argument("--rec-weight", type=float, default=1.0, help="L = rec_weight * L_rec + L_ntp")
     t.add_argument("--init", default="default", choices=INITS,
-                   help="rec-warmstart: fit L_rec on captured true KV before the joint phase")
-    t.add_argument("--warmstart-steps", type=int, default=500)
+                   help="rec-warmstart: fit L_rec on captured true KV before the joint phase; fisher-pca: "
+                        "closed-form Fisher-weighted decoder and an encoder regressed onto it (the fastest start)")
+    t.add_argument("--warmstart-steps", type=int, default=500,
+                   help="rec-warmstart: optimizer steps; fisher-pca: encoder-fit steps per layer")
+    t.add_argument("--fisher-alpha", type=float, default=0.1,
+                   help="fisher-pca: share of the plain metric mixed into the Fisher metric (0..1)")
     t.add_argument("--warmstart-blocks", type=int, default=32)
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
     t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
@@ -96,6 +100,7 @@ def cmd_train(args) -> int:
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
                          rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
                          warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
+                         fisher_alpha=args.fisher_alpha,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
                          ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
     source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,

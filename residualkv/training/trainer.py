@@ -44,7 +44,7 @@ from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
 
 LOSSES = ("rec+ntp", "rec", "ntp")
-INITS = ("default", "zero-decoder", "rec-warmstart")
+INITS = ("default", "zero-decoder", "rec-warmstart", "fisher-pca")
 REC_REDUCTIONS = ("sum", "mean")
 CHECKPOINTS = "checkpoints"
 CODEC = "codec"
@@ -73,9 +73,11 @@ class TrainConfig:
     rec_reduction: str = "sum"
     rec_weight: float = 1.0
     init: str = "default"  # "default" (nn.Linear init), "zero-decoder" (start at kv_hat = mean_ref) or
-    # "rec-warmstart" (fit L_rec on captured true KV first, see warmstart.py)
-    warmstart_steps: int = 500
+    # "rec-warmstart" (fit L_rec on captured true KV first) or "fisher-pca" (closed-form Fisher-weighted
+    # decoder, encoder regressed onto it), see warmstart.py
+    warmstart_steps: int = 500  # rec-warmstart: optimizer steps; fisher-pca: encoder-fit steps per layer
     warmstart_blocks: int = 32
+    fisher_alpha: float = 0.1  # fisher-pca: weight of the plain (unweighted) metric mixed into the Fisher
     bf16: bool = False
     grad_checkpointing: bool = False
     seed: int = 0
@@ -100,6 +102,7 @@ class TrainConfig:
         _check(self.init in INITS, "init", self.init, f"choose one of {INITS}")
         _check(self.warmstart_steps >= 1 and self.warmstart_blocks >= 1, "warmstart_steps", self.warmstart_steps,
                "use at least one warm-start step and block")
+        _check(0 <= self.fisher_alpha <= 1, "fisher_alpha", self.fisher_alpha, "use a weight in [0, 1] (default 0.1)")
         _check(self.eval_blocks >= 0, "eval_blocks", self.eval_blocks, "use 0 or more held-out blocks")
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,6 +297,14 @@ class CodecTrainer:
             blocks = torch.tensor(train_data.select(range(n))["input_ids"])
             self.warmstart = warm_start(model, codec, blocks, steps=config.warmstart_steps, lr=config.lr,
                                         seed=config.seed, on_metrics=on_metrics, progress=progress)
+        elif config.init == "fisher-pca":
+            from .warmstart import fisher_pca_init
+
+            n = min(config.warmstart_blocks, len(train_data))
+            blocks = torch.tensor(train_data.select(range(n))["input_ids"])
+            self.warmstart = fisher_pca_init(model, codec, blocks, alpha=config.fisher_alpha,
+                                             steps=config.warmstart_steps, seed=config.seed,
+                                             on_metrics=on_metrics, progress=progress)
         self.codec, self.train_data = codec, train_data
         self.sampler = EpochSampler(len(train_data), config.seed)
         loader = DataLoader(train_data.with_format("torch", columns=["input_ids"]), batch_size=config.batch_size,
