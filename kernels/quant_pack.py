@@ -86,7 +86,8 @@ _kernel = LazyKernel(_quant_pack_kernel)
 def quantize_pack(x: torch.Tensor, bits: int, group: int = 32, *, impl: str = "auto", block_m: int = 64) -> Packed:
     """Same contract as `residualkv.quant.quantize`: x [..., d] -> Packed(codes [..., d*bits/8] uint8,
     mins [..., d/group] fp16, scales [..., d/group] fp16)."""
-    if not use_triton(impl, x):
+    shape_ok = bits in SUPPORTED_BITS and not x.shape[-1] % group and not group & (group - 1) and group >= 8 // bits
+    if not use_triton(impl, x) or (impl == "auto" and not shape_ok):  # "auto": the kernel where it applies
         return quantize(x, bits, group)
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits}: the kernel packs {SUPPORTED_BITS}-bit codes")

@@ -20,9 +20,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .codec import CodecError, LayerCodec, ResidualCodec, model_shape
 from .config import ResidualKVConfig
 from .quant import Packed, decode_ref, dequantize, encode_ref, quantize
-from .retrieval import mean_of_refs, topk_refs
+from .retrieval import mean_of_refs
 from .rope import RopeTable, apply_rope, invert_rope
 from .schedule import ReferenceSchedule
+
+# the Triton kernels for the hot paths; each runs its torch reference (the code above) unless
+# cfg.kernel_impl and the tensors' device say otherwise
+from kernels import quantize_pack, reconstruct_selected, topk_l2
+from kernels._common import use_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,10 +142,10 @@ class ResidualStore:
             x = kv[:, is_code]
             # references strictly before each token: the old ones plus those earlier in this chunk
             n_avail = (self.n_refs - int(is_ref.sum())) + torch.cumsum(is_ref.long(), 0)[is_code]
-            idx = topk_refs(x.detach(), all_refs.detach(), n_avail, cfg.k)
+            idx = topk_l2(x.detach(), all_refs.detach(), n_avail, cfg.k, impl=cfg.kernel_impl)
             mean = mean_of_refs(all_refs, idx)
             z = self.codec.encode(x, mean).float()
-            packed = quantize(z.detach(), cfg.bits, cfg.group_size)
+            packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
             z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
             out[:, is_code] = self.codec.decode(z_hat).float() + mean
             self.codes = packed if self.codes is None else Packed(*(torch.cat([a, b], 1) for a, b in zip(self.codes, packed)))
@@ -172,10 +177,33 @@ class ResidualStore:
         is_ref = self.schedule.is_ref(0, self.n).to(refs.device)
         out[:, is_ref] = refs
         if self.codes is not None:
-            mean = mean_of_refs(refs, self.ref_idx.long())
-            z = dequantize(self.codes, cfg.bits, cfg.group_size)
-            out[:, ~is_ref] = self.codec.decode(z).float() + mean
+            if self._use_kernel():
+                C = self.codes.codes.shape[1]
+                sel = torch.arange(C, device=refs.device)[None].expand(B, C)
+                out[:, ~is_ref] = self._reconstruct_kernel(sel)
+            else:
+                mean = mean_of_refs(refs, self.ref_idx.long())
+                z = dequantize(self.codes, cfg.bits, cfg.group_size)
+                out[:, ~is_ref] = self.codec.decode(z).float() + mean
         return out
+
+    def _use_kernel(self) -> bool:
+        g = self.cfg.group_size
+        # the fused kernel feeds one quantisation group per tl.dot step: powers of two >= 16 only
+        return use_triton(self.cfg.kernel_impl, self.refs) and g >= 16 and not g & (g - 1)
+
+    def _reconstruct_kernel(self, sel: torch.Tensor) -> torch.Tensor:
+        """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> pre-RoPE kv [B, n, 2·d_k] via the
+        fused gather + dequantise + W_d + mean-of-refs kernel. RoPE is applied by the layer (with every
+        other history token), so the kernel runs with the identity rotation over one 2·d_k-wide "head"."""
+        cfg = self.cfg
+        d = self.refs.shape[-1]
+        n = sel.shape[1]
+        ones = torch.ones(1, n, d // 2, device=sel.device)
+        k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, ones, torch.zeros_like(ones),
+                                    bits=cfg.bits, group=cfg.group_size, num_kv_heads=1, ref_format=cfg.ref_format,
+                                    impl=cfg.kernel_impl)
+        return torch.cat([k[:, 0], v[:, 0]], dim=-1)
 
     # ---- selective reads (OmniKV) and eviction (SnapKV), seed §2.7 ----
 
@@ -235,7 +263,14 @@ class ResidualStore:
         self.refs_decoded += int(nb.numel())
         out = table.new_empty(B, S, table.shape[-1])
         out[is_ref] = table[slot[rb, rp]]
-        if cb.numel():
+        if cb.numel() and self._use_kernel():
+            # per row, its selected codes in order: rank of each within its row, padded with -1
+            rank = torch.cumsum(~is_ref, dim=1) - 1
+            sel = torch.full((B, int((~is_ref).sum(1).max())), -1, dtype=torch.long, device=dev)
+            sel[cb, rank[~is_ref]] = cp
+            out[~is_ref] = self._reconstruct_kernel(sel)[cb, rank[~is_ref]]
+            self.codes_decoded += int(cb.numel())
+        elif cb.numel():
             mean_idx = torch.where(ok, slot[cb[:, None].expand_as(idx), idx.clamp(min=0)], -1)
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             c = self.codes

@@ -14,6 +14,7 @@ from typing import Any
 SUPPORTED_BITS = (2, 4, 8)
 REF_FORMATS = ("fp8", "fp16")
 MODES = ("standalone", "omnikv", "snapkv")
+KERNEL_IMPLS = ("auto", "torch", "triton")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,10 @@ class ResidualKVConfig:
     select_pool: int = 1  # max-pool width over token scores (authors' pool_kernel_size, 1 = none)
     snapkv_window: int = 32  # SnapKV observation window: the last prompt tokens whose queries vote
     snapkv_pool: int = 5  # SnapKV average-pool width over the votes (as residualkv.snapkv / kvpress)
+    # which implementation runs the hot paths (top-k retrieval, quantise-and-pack, code reconstruction):
+    # "auto" = the Triton kernels of `kernels/` on CUDA tensors, the torch code elsewhere; "torch" always
+    # the torch code; "triton" always the kernels (on CPU only under TRITON_INTERPRET=1, for tests)
+    kernel_impl: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_attention_layers", tuple(int(i) for i in self.full_attention_layers))
@@ -68,6 +73,7 @@ class ResidualKVConfig:
             g = getattr(self, name)
             _check(g >= 8 and g % 8 == 0, name, g, "use a positive multiple of 8 (paper default 32) so groups pack into whole bytes")
         _check(self.full_window >= 0, "full_window", self.full_window, "use 0 or more FP16 recent tokens")
+        _check(self.kernel_impl in KERNEL_IMPLS, "kernel_impl", self.kernel_impl, f"choose one of {KERNEL_IMPLS}")
         _check(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
         _check(self.select_budget >= 0, "select_budget", self.select_budget, "use 0 or more tokens (authors' default 2048)")
         _check(self.select_ratio is None or 0.0 <= self.select_ratio <= 1.0, "select_ratio", self.select_ratio,
