@@ -99,16 +99,20 @@ def snapkv_token_scores(query: torch.Tensor, key: torch.Tensor, attention_mask: 
     return probs.mean(dim=3).reshape(B, Hq, L)
 
 
-def snapkv_aggregate(votes: torch.Tensor, n_kv_heads: int, pool: int) -> torch.Tensor:
-    """votes [r, Hq, n] over one row group's prompt prefix -> token scores [r, n]: average-pooled over
-    neighbouring tokens (count_include_pad=False) and averaged over the query heads sharing a KV head,
-    as the SnapKV baseline (residualkv.snapkv) scores each KV head; then max over KV heads, because a
-    ResidualKV token holds every KV head: it survives if any head wants it."""
+def snapkv_head_scores(votes: torch.Tensor, n_kv_heads: int, pool: int) -> torch.Tensor:
+    """votes [r, Hq, n] over a prompt prefix -> SnapKV scores per KV head [r, Hkv, n]: average-pooled over
+    neighbouring tokens (count_include_pad=False), then averaged over the query heads sharing a KV head."""
     r, Hq, n = votes.shape
     if pool > 1 and n > 0:
         votes = F.avg_pool1d(votes.reshape(r * Hq, 1, n), pool, stride=1, padding=pool // 2,
                              count_include_pad=False).reshape(r, Hq, -1)[..., :n]
-    return votes.reshape(r, n_kv_heads, Hq // n_kv_heads, n).mean(dim=2).amax(dim=1)
+    return votes.reshape(r, n_kv_heads, Hq // n_kv_heads, n).mean(dim=2)
+
+
+def snapkv_aggregate(votes: torch.Tensor, n_kv_heads: int, pool: int) -> torch.Tensor:
+    """votes [r, Hq, n] -> token scores [r, n]: the SnapKV baseline's per-KV-head scores (residualkv.snapkv),
+    then max over KV heads, because a ResidualKV token holds every KV head: it survives if any head wants it."""
+    return snapkv_head_scores(votes, n_kv_heads, pool).amax(dim=1)
 
 
 def _pool(scores: torch.Tensor, width: int) -> torch.Tensor:
@@ -310,4 +314,4 @@ def install(model) -> None:
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "SparseController", "gather_mask", "install", "omnikv_token_scores", "register",
-           "select_tokens", "snapkv_aggregate", "snapkv_token_scores", "sparse_attention_forward", "token_budget"]
+           "select_tokens", "snapkv_aggregate", "snapkv_head_scores", "snapkv_token_scores", "sparse_attention_forward", "token_budget"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 _HOOK_FLAG = "_rkv_snapkv_hooks"
@@ -85,21 +84,12 @@ class SnapKVLayer(DynamicLayer):
         if n_sel >= prefix:  # nothing to evict
             self.kept_indices = torch.arange(n, device=keys.device).expand(B, H_kv, n)
             return keys, values
-        q = queries[..., -w:, :].float()
-        H_q = q.shape[1]
-        group = H_q // H_kv
-        k = keys.float().repeat_interleave(group, dim=1)
+        from .attention import snapkv_head_scores, snapkv_token_scores
+
         scale = self.scaling if self.scaling is not None else D ** -0.5
-        logits = q @ k.transpose(-1, -2) * scale  # [B, H_q, w, n]
-        # causal inside the window: query i (position prefix + i) sees keys 0 .. prefix + i
-        q_pos = torch.arange(prefix, n, device=keys.device)[:, None]
-        k_pos = torch.arange(n, device=keys.device)[None, :]
-        logits = logits.masked_fill(k_pos > q_pos, float("-inf"))
-        scores = logits.softmax(dim=-1)[..., :prefix].mean(dim=-2)  # [B, H_q, prefix]
-        if self.kernel_size > 1:
-            scores = F.avg_pool1d(scores.reshape(B * H_q, 1, prefix), self.kernel_size, stride=1,
-                                  padding=self.kernel_size // 2, count_include_pad=False).reshape(B, H_q, -1)[..., :prefix]
-        scores = scores.reshape(B, H_kv, group, prefix).mean(dim=2)
+        # the window's queries are the last w positions: causal inside the window, votes on the prefix only
+        votes = snapkv_token_scores(queries[..., -w:, :], keys, None, scale, w)[..., :prefix]
+        scores = snapkv_head_scores(votes, H_kv, self.kernel_size)  # [B, H_kv, prefix]
         top = scores.topk(n_sel, dim=-1).indices.sort(dim=-1).values
         window_idx = torch.arange(prefix, n, device=keys.device).expand(B, H_kv, w)
         idx = torch.cat([top, window_idx], dim=-1)

@@ -189,19 +189,9 @@ def make_plots(folder: Path, history: Mapping[int, Mapping[str, float]], bench_r
         plt.close(fig)
         out.append(folder / "training_loss.png")
     if bench_rows:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        y_key = "rel_score" if any(_finite(r.get("rel_score")) for r in bench_rows) else "ppl_rel"
-        for r in bench_rows:
-            if _finite(r.get("kr_measured")) and _finite(r.get(y_key)):
-                ax.scatter(r["kr_measured"], r[y_key])
-                ax.annotate(f"{r['method']}@{r.get('context_len')}", (r["kr_measured"], r[y_key]), fontsize=7)
-        ax.set_xlabel("measured KR (bytes / FP16 full cache)")
-        ax.set_ylabel(y_key + (" (relative to full cache)" if y_key == "rel_score" else " (ppl / full ppl)"))
-        ax.set_title(f"quality vs bytes - {title}")
-        fig.tight_layout()
-        fig.savefig(folder / "quality_vs_kr.png", dpi=120)
-        plt.close(fig)
-        out.append(folder / "quality_vs_kr.png")
+        from residualkv.evaluation.report import plot_score_vs_kr
+
+        out.append(plot_score_vs_kr([dict(r) for r in bench_rows], folder / "quality_vs_kr.png"))
     if speed_rows:
         fig, ax = plt.subplots(figsize=(6, 4))
         for m in dict.fromkeys(r["method"] for r in speed_rows):

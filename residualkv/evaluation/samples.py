@@ -71,20 +71,15 @@ def load_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no task file at {path}")
+    from ..data import iter_jsonl
+
     out, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            s = sample_from_dict(row, task=task or path.stem, where=f"{path}:{n}")
-            if s.id in seen:
-                raise ValueError(f"{path}:{n}: duplicate id {s.id!r}")
-            seen.add(s.id)
-            out.append(s)
+    for n, row in iter_jsonl(path):
+        s = sample_from_dict(row, task=task or path.stem, where=f"{path}:{n}")
+        if s.id in seen:
+            raise ValueError(f"{path}:{n}: duplicate id {s.id!r}")
+        seen.add(s.id)
+        out.append(s)
     if not out:
         raise ValueError(f"{path} holds no samples")
     return out

@@ -93,18 +93,18 @@ class LocalSource:
                 yield rel, file.read_text(encoding="utf-8")
 
     def _jsonl(self, file: Path, rel: str) -> Iterator[tuple[str, str]]:
-        with open(file, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{file}:{n} is not valid JSON ({error.msg}); write one JSON object per line") from error
+        from ..data import iter_jsonl
+
+        try:
+            for n, row in iter_jsonl(file):
                 if not isinstance(row, dict) or not isinstance(row.get(self.text_field), str):
                     raise DataError(f"{file}:{n} has no string field {self.text_field!r}; every line needs "
                                     f'{{"{self.text_field}": "..."}} (pick another field with --text-field)')
                 yield str(row.get("id", f"{rel}:{n}")), row[self.text_field]
+        except DataError:
+            raise
+        except ValueError as error:  # a malformed line: same message, the packing error type
+            raise DataError(str(error)) from None
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(f"local:{self.text_field}".encode())
