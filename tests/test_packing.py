@@ -125,3 +125,12 @@ def test_resolve_source_and_errors(tmp_path, tok):
     (small / "a.txt").write_text("w1 w2 w3")
     with pytest.raises(DataError, match="lower --seq-len"):
         pack_documents(LocalSource(small), tok, 64, heldout_fraction=0.0, root=tmp_path / "packed")
+
+
+def test_a_pack_without_held_out_documents_is_reused(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    tok = tiny_tokenizer()
+    first = pack_documents(LocalSource(corpus), tok, 64, heldout_fraction=0.0, root=tmp_path / "packed")
+    again = pack_documents(LocalSource(corpus), tok, 64, heldout_fraction=0.0, root=tmp_path / "packed")
+    assert len(first.heldout) == len(again.heldout) == 0
+    assert again.train["input_ids"] == first.train["input_ids"]

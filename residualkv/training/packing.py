@@ -240,9 +240,9 @@ def _build(source: Source, tokenizer, seq_len: int, heldout_fraction: float, met
                         f"seq_len={seq_len} block; lower --seq-len or add documents")
     meta |= {"n_documents": len(docs), "n_heldout_documents": int(sum(tokens["heldout"])),
              "train_blocks": len(splits["train"]), "heldout_blocks": len(splits["heldout"])}
-    _save_atomically(datasets.DatasetDict(splits), meta, folder)
-    # the in-memory splits, not a reload: datasets cannot reload an empty split (a tiny corpus may
-    # have no held-out document)
+    # datasets cannot reload an empty split (a tiny corpus may have no held-out document): only non-empty
+    # splits are written, and _load rebuilds an empty one from the train split's features
+    _save_atomically(datasets.DatasetDict({k: v for k, v in splits.items() if len(v)}), meta, folder)
     return PackedData(train=splits["train"], heldout=splits["heldout"], path=folder, meta=meta)
 
 
@@ -303,7 +303,10 @@ def _load(folder: Path) -> PackedData:
 
     splits = datasets.load_from_disk(str(folder / "splits"))
     meta = json.loads((folder / "meta.json").read_text())
-    return PackedData(train=splits["train"], heldout=splits["heldout"], path=folder, meta=meta)
+    train = splits["train"]
+    heldout = splits["heldout"] if "heldout" in splits else datasets.Dataset.from_dict(
+        {k: [] for k in train.column_names}, features=train.features)
+    return PackedData(train=train, heldout=heldout, path=folder, meta=meta)
 
 
 __all__ = ["DataError", "OfflineSource", "LocalSource", "HubSource", "PackedData", "resolve_source",
