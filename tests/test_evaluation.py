@@ -316,6 +316,16 @@ def test_methods_built_fresh_and_measured(tiny_lm):
         build_method_cache("nope", tiny_lm)
 
 
+def test_selection_ratio_variants(tiny_lm):
+    from residualkv.config import ResidualKVConfig
+    from residualkv.evaluation.harness import known_method, method_needs_codec
+
+    assert known_method("omnikv-r15") and known_method("residualkv-r10") and not known_method("kivi2-r10")
+    assert method_needs_codec("residualkv-r10") and not method_needs_codec("omnikv-r15")
+    cache = build_method_cache("omnikv-r15", tiny_lm, base=ResidualKVConfig(full_attention_layers=(0,)))
+    assert cache.config.select_ratio == 0.15 and cache.config.mode == "omnikv"
+
+
 def test_write_outputs_refuses_rows_without_the_contract(tmp_path):
     with pytest.raises(ValueError, match="contract"):
         write_outputs([{"method": "full"}], out_dir=tmp_path)

@@ -43,7 +43,8 @@ def register(subparsers) -> None:
     e.add_argument("--backbone", default="smollm2-135m", help="registered name, backbone YAML, local folder or HF id")
     e.add_argument("--methods", default=None,
                    help="comma list of methods (default: every registered method and snapkv); 'full' is always run "
-                        "as the reference; snapkv-NN keeps NN%% of the prompt")
+                        "as the reference; snapkv-NN keeps NN%% of the prompt; residualkv-rNN / omnikv-rNN select "
+                        "NN%% of the history per decode step")
     e.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--tasks", default=None, metavar="FILE.jsonl",
@@ -81,7 +82,8 @@ def cmd_eval(args) -> int:
             try:
                 method_needs_codec(m)
             except ValueError as err:
-                raise SystemExit(f"{err}, snapkv, snapkv-NN (keep NN% of the prompt)") from None
+                raise SystemExit(f"{err}, snapkv, snapkv-NN (keep NN% of the prompt), residualkv-rNN / omnikv-rNN "
+                                 "(select NN% of the history per decode step)") from None
     lengths = _int_list(args.context_len)
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"

@@ -39,6 +39,8 @@ from .scoring import score as score_prediction
 
 REFERENCE = "full"
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
+# OmniKV selection at a ratio of the history: residualkv-r15 / omnikv-r15 select 15% per decode step
+_SELECT = re.compile(r"^(residualkv|omnikv)-r(\d+)$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,15 +54,24 @@ def _snapkv_ratio(name: str) -> float | None:
     return int(m.group(1)) / 100 if m.group(1) else 0.2
 
 
+def _select_variant(name: str) -> tuple[str, float] | None:
+    m = _SELECT.match(name)
+    if not m or not 0 < int(m.group(2)) <= 100:
+        return None
+    return m.group(1), int(m.group(2)) / 100
+
+
 def known_method(name: str) -> bool:
     from ..methods import METHODS
 
-    return name in METHODS or _snapkv_ratio(name) is not None
+    return name in METHODS or _snapkv_ratio(name) is not None or _select_variant(name) is not None
 
 
 def method_needs_codec(name: str) -> bool:
     from ..methods import METHODS, get_method
 
+    if _select_variant(name) is not None:
+        name = _select_variant(name)[0]
     if name in METHODS:
         return get_method(name).needs_codec
     if _snapkv_ratio(name) is not None:
@@ -70,9 +81,13 @@ def method_needs_codec(name: str) -> bool:
 
 
 def build_method_cache(name: str, model, codec=None, base=None):
-    """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%."""
+    """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%;
+    `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio)."""
     from ..methods import METHODS, build_cache
 
+    variant = _select_variant(name)
+    if variant is not None:
+        return build_cache(variant[0], model, codec, base, select_ratio=variant[1])
     if name in METHODS:
         return build_cache(name, model, codec, base)
     ratio = _snapkv_ratio(name)
