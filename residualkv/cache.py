@@ -195,15 +195,18 @@ class ResidualStore:
     def _reconstruct_kernel(self, sel: torch.Tensor) -> torch.Tensor:
         """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> pre-RoPE kv [B, n, 2·d_k] via the
         fused gather + dequantise + W_d + mean-of-refs kernel. RoPE is applied by the layer (with every
-        other history token), so the kernel runs with the identity rotation over one 2·d_k-wide "head"."""
+        other history token), so the kernel runs with the identity rotation."""
         cfg = self.cfg
-        d = self.refs.shape[-1]
+        half = self.refs.shape[-1] // 2
+        # with the identity rotation any split of the features into "heads" returns the same flat rows:
+        # pick the fewest heads whose width stays within a 128-wide tile (the kernel's register budget)
+        heads = next(h for h in range(1, half + 1) if half % h == 0 and (half // h) % 2 == 0 and half // h <= 128)
         n = sel.shape[1]
-        ones = torch.ones(1, n, d // 2, device=sel.device)
+        ones = torch.ones(1, n, half // heads, device=sel.device)
         k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, ones, torch.zeros_like(ones),
-                                    bits=cfg.bits, group=cfg.group_size, num_kv_heads=1, ref_format=cfg.ref_format,
+                                    bits=cfg.bits, group=cfg.group_size, num_kv_heads=heads, ref_format=cfg.ref_format,
                                     impl=cfg.kernel_impl)
-        return torch.cat([k[:, 0], v[:, 0]], dim=-1)
+        return torch.cat([flat_heads(k), flat_heads(v)], dim=-1)
 
     # ---- selective reads (OmniKV) and eviction (SnapKV), seed §2.7 ----
 
