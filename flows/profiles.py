@@ -8,6 +8,7 @@ loudly, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 import yaml
 
 from residualkv.paths import configs_dir
+from residualkv.training.trainer import TrainConfig
 
 SECTIONS = {
     "name": None, "description": None, "backbones": None, "data": None, "train": None, "accounting": None,
@@ -24,9 +26,8 @@ SECTIONS = {
 }
 DEFAULTS: dict[str, Any] = {
     "data": {"source": "offline", "seq_len": 512, "text_field": "text"},
-    "train": {"steps": None, "minutes": None, "batch_size": 1, "grad_accum": 1, "lr": 2e-4, "warmup_frac": 0.02,
-              "loss": "rec+ntp", "rec_reduction": "sum", "rec_weight": 1.0, "init": "default", "bf16": False,
-              "grad_checkpointing": False, "seed": 0, "log_every": 10, "ckpt_every": 50, "eval_blocks": 8,
+    # every TrainConfig field (its own default; seq_len comes from `data`), plus the pipeline's keys
+    "train": {**{f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "seq_len"},
               "bits": None, "d_c": None, "d_ff": None, "retries": 1, "torch_threads": None,
               "launch": None},  # e.g. ["--multi_gpu", "--num_processes", "8"]: train under `accelerate launch`
     "accounting": {"methods": ["full", "kivi4", "kivi2", "residualkv-dagger", "residualkv", "residualkv-int2"],
