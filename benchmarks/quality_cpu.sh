@@ -17,7 +17,8 @@ ABLATION=${2:-}
 THREADS=${3:-2}
 OUT=benchmarks/results/quality
 mkdir -p "$OUT"
-RKV="python -m residualkv.cli"
+PY=${PYTHON:-.venv/bin/python}
+RKV="$PY -m residualkv.cli"
 
 # perplexity of held-out text through each cache (2048 tokens prefilled, 64 scored one by one)
 $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite ppl --context-len 2048 --ppl-tokens 64 \

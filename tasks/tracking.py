@@ -173,38 +173,36 @@ def make_plots(folder: Path, history: Mapping[int, Mapping[str, float]], bench_r
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     steps = sorted(s for s, m in history.items() if "loss" in m)
-    if steps:
+    def line_plot(name: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, what: str,
+                  log_y: bool = False) -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for key in ("loss", "rec", "ntp"):
-            ys = [history[s].get(key) for s in steps]
-            if any(y is not None for y in ys):
-                ax.plot(steps, ys, label=key)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss")
-        ax.set_yscale("log")
-        ax.set_title(f"codec training - {title}")
+        for label, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(f"{what} - {title}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(folder / "training_loss.png", dpi=120)
+        fig.savefig(folder / name, dpi=120)
         plt.close(fig)
-        out.append(folder / "training_loss.png")
+        out.append(folder / name)
+
+    if steps:
+        losses = {k: (steps, [history[s].get(k) for s in steps]) for k in ("loss", "rec", "ntp")}
+        line_plot("training_loss.png", {k: v for k, v in losses.items() if any(y is not None for y in v[1])},
+                  "optimizer step", "loss", "codec training", log_y=True)
     if bench_rows:
         from residualkv.evaluation.report import plot_score_vs_kr
 
         out.append(plot_score_vs_kr([dict(r) for r in bench_rows], folder / "quality_vs_kr.png"))
     if speed_rows:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        series = {}
         for m in dict.fromkeys(r["method"] for r in speed_rows):
             pts = sorted((r["context_len"], r["decode_tok_s"]) for r in speed_rows if r["method"] == m)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("decode tokens/s (CPU)")
-        ax.set_title(f"decode throughput - {title}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(folder / "throughput.png", dpi=120)
-        plt.close(fig)
-        out.append(folder / "throughput.png")
+            series[m] = ([p[0] for p in pts], [p[1] for p in pts])
+        line_plot("throughput.png", series, "context tokens", "decode tokens/s (CPU)", "decode throughput")
     return out
 
 
