@@ -33,5 +33,5 @@ $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-l
   --methods full,kivi2,snapkv,residualkv-dagger,residualkv-standalone,residualkv-r15 \
   --threads "$THREADS" --no-progress --json "$OUT/synthetic_2k.json"
 $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 1 --ppl-tokens 0 \
-  --methods full,kivi2,residualkv-standalone,residualkv-r15 \
+  --methods full,residualkv-standalone,residualkv-r10 \
   --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k.json"
