@@ -36,6 +36,11 @@ from residualkv.rope import apply_rope
 from ._common import LazyKernel, cdiv, interpret_mode, next_pow2, tl, use_triton
 
 
+def fused_group_ok(group: int) -> bool:
+    """The kernel feeds one quantisation group per tl.dot step: powers of two >= 16 only."""
+    return group >= 16 and not group & (group - 1)
+
+
 def _weight_of(decoder) -> torch.Tensor | None:
     """The decoder as a weight matrix [2·d_k, d_c], or None for the identity codec (ResidualKV†)."""
     if decoder is None or isinstance(decoder, torch.Tensor):
@@ -310,7 +315,7 @@ def reconstruct_selected(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tenso
         cos = sin = mins  # unused
         s_pb = pos.stride(0)
     w_arg = w.contiguous() if w is not None else mins  # any pointer: never read without HAS_W
-    if w is not None and (group < 16 or group & (group - 1)):
+    if w is not None and not fused_group_ok(group):
         raise ValueError(f"group_size={group}: the kernel feeds one group per tl.dot step (a power of two >= 16)")
     upcast = interpret_mode() and w is not None and w.dtype == torch.bfloat16
     grid = (cdiv(n_sel, block_n), 2 * H, B)

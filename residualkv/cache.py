@@ -27,6 +27,7 @@ from .schedule import ReferenceSchedule
 # the Triton kernels for the hot paths; each runs its torch reference (the code above) unless
 # cfg.kernel_impl and the tensors' device say otherwise
 from kernels import quantize_pack, reconstruct_selected, topk_l2
+from kernels.reconstruct import fused_group_ok
 from kernels._common import use_triton
 
 
@@ -188,9 +189,7 @@ class ResidualStore:
         return out
 
     def _use_kernel(self) -> bool:
-        g = self.cfg.group_size
-        # the fused kernel feeds one quantisation group per tl.dot step: powers of two >= 16 only
-        return use_triton(self.cfg.kernel_impl, self.refs) and g >= 16 and not g & (g - 1)
+        return use_triton(self.cfg.kernel_impl, self.refs) and fused_group_ok(self.cfg.group_size)
 
     def _reconstruct_kernel(self, sel: torch.Tensor) -> torch.Tensor:
         """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> pre-RoPE kv [B, n, 2·d_k] via the

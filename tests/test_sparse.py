@@ -127,12 +127,18 @@ def test_full_budget_reproduces_standalone(model, codec, changes, shortcut):
     assert rep["cr"] == 1.0 and rep["decode_steps"] == 11
 
 
-def test_read_selected_equals_read_and_reads_only_what_it_needs():
-    torch.manual_seed(0)
-    cfg = ResidualKVConfig(stride=5, n_sink=3)
+def _filled_store(stride: int, n_sink: int, seed: int, tokens: int) -> ResidualStore:
+    """A compressed-layer store of the tiny Llama's width holding `tokens` random tokens in 2 rows."""
+    torch.manual_seed(seed)
+    cfg = ResidualKVConfig(stride=stride, n_sink=n_sink)
     codec = ResidualCodec.for_model(tiny_llama_config(), cfg, d_c=32, d_ff=48).layer(0)
-    store = ResidualStore(codec, cfg, ReferenceSchedule(3, 5))
-    store.write(torch.randn(2, 50, 64))
+    store = ResidualStore(codec, cfg, ReferenceSchedule(n_sink, stride))
+    store.write(torch.randn(2, tokens, 64))
+    return store
+
+
+def test_read_selected_equals_read_and_reads_only_what_it_needs():
+    store = _filled_store(stride=5, n_sink=3, seed=0, tokens=50)
     store.write(torch.randn(2, 7, 64))
     full = store.read()
     ords = torch.stack([torch.tensor([0, 3, 4, 8, 9, 30, 56]), torch.tensor([1, 2, 7, 13, 20, 44, 55])])
@@ -258,11 +264,7 @@ def test_snapkv_never_references_an_evicted_reference(model, codec):
 
 
 def test_snapkv_eviction_keeps_survivors_exact_and_is_irreversible():
-    torch.manual_seed(1)
-    cfg = ResidualKVConfig(stride=4, n_sink=2)
-    codec = ResidualCodec.for_model(tiny_llama_config(), cfg, d_c=32, d_ff=48).layer(0)
-    store = ResidualStore(codec, cfg, ReferenceSchedule(2, 4))
-    store.write(torch.randn(2, 60, 64))
+    store = _filled_store(stride=4, n_sink=2, seed=1, tokens=60)
     before = store.read()
     rows = store.split_rows()
     keeps = [torch.tensor([0, 1, 5, 7, 11, 23, 40, 57, 58, 59]), torch.tensor([0, 1, 3, 9, 10, 31, 33, 57, 58, 59])]

@@ -70,8 +70,9 @@ def known_method(name: str) -> bool:
 def method_needs_codec(name: str) -> bool:
     from ..methods import METHODS, get_method
 
-    if _select_variant(name) is not None:
-        name = _select_variant(name)[0]
+    variant = _select_variant(name)
+    if variant is not None:
+        name = variant[0]
     if name in METHODS:
         return get_method(name).needs_codec
     if _snapkv_ratio(name) is not None:

@@ -290,21 +290,16 @@ class CodecTrainer:
         self.resumed_from = self._latest_checkpoint()
         if self.resumed_from is not None:
             self._load_codec_weights(codec, self.resumed_from)
-        elif config.init == "rec-warmstart":  # a resumed run already carries its warm start
-            from .warmstart import warm_start
+        elif config.init in ("rec-warmstart", "fisher-pca"):  # a resumed run already carries its warm start
+            from .warmstart import fisher_pca_init, warm_start
 
             n = min(config.warmstart_blocks, len(train_data))
             blocks = torch.tensor(train_data.select(range(n))["input_ids"])
-            self.warmstart = warm_start(model, codec, blocks, steps=config.warmstart_steps, lr=config.lr,
-                                        seed=config.seed, on_metrics=on_metrics, progress=progress)
-        elif config.init == "fisher-pca":
-            from .warmstart import fisher_pca_init
-
-            n = min(config.warmstart_blocks, len(train_data))
-            blocks = torch.tensor(train_data.select(range(n))["input_ids"])
-            self.warmstart = fisher_pca_init(model, codec, blocks, alpha=config.fisher_alpha,
-                                             steps=config.warmstart_steps, seed=config.seed,
-                                             on_metrics=on_metrics, progress=progress)
+            common = dict(steps=config.warmstart_steps, seed=config.seed, on_metrics=on_metrics, progress=progress)
+            if config.init == "rec-warmstart":
+                self.warmstart = warm_start(model, codec, blocks, lr=config.lr, **common)
+            else:
+                self.warmstart = fisher_pca_init(model, codec, blocks, alpha=config.fisher_alpha, **common)
         self.codec, self.train_data = codec, train_data
         self.sampler = EpochSampler(len(train_data), config.seed)
         loader = DataLoader(train_data.with_format("torch", columns=["input_ids"]), batch_size=config.batch_size,
