@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
     t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
     t.add_argument("--d-ff", type=int, default=None, help="SwiGLU width (default: the backbone YAML's)")
+    t.add_argument("--stride", type=int, default=None,
+                   help="reference stride (default: the backbone YAML's); saved with the codec, which is always "
+                        "served with the stride it was trained for")
     t.add_argument("--out", default=None, help="run directory (default: <data>/codecs/<backbone>/<run-name>)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--bf16", action="store_true", help="bf16 autocast (accelerate mixed precision)")
@@ -73,6 +76,10 @@ def run_name(args, source_name: str) -> str:
     name = f"{args.loss.replace('+', '-')}-int{args.bits}-L{args.seq_len}-seed{args.seed}"
     if args.rec_reduction != "sum" or args.rec_weight != 1.0:
         name += f"-rec{args.rec_reduction}{args.rec_weight:g}"
+    # a different codec shape must never resume another shape's checkpoints
+    for flag in ("d_c", "d_ff", "stride"):
+        if getattr(args, flag, None):
+            name += f"-{flag.replace('_', '')}{getattr(args, flag)}"
     if source_name != "offline":
         name += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(source_name).name)[:40]
     return name
@@ -94,7 +101,7 @@ def cmd_train(args) -> int:
                          "(e.g. d_c = 2*d_k/4 and d_ff = 3*2*d_k, as in configs/backbones/smollm2-135m.yaml)")
     cache_config = base_config(spec)
     args.bits = args.bits or cache_config.bits
-    cache_config = cache_config.replace(bits=args.bits)
+    cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}))
 
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
