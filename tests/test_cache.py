@@ -66,11 +66,26 @@ def test_left_padded_batch_equals_single_runs_smollm2(smollm2):
     enc = tok(prompts, return_tensors="pt", padding=True)
     cfg = ResidualKVConfig(full_attention_layers=(0, 1, 2, 8, 17), stride=10, n_sink=8)
     codec = ResidualCodec.for_model(model.config, cfg, d_c=96, d_ff=64, kind="identity")
-    both = _greedy(model, enc.input_ids, ResidualKVCache.from_model(model, codec, cfg), enc.attention_mask, n=12)
+
+    def run(ids, mask):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, cache=ResidualKVCache.from_model(model, codec, cfg))
+        return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()
+
+    both, both_logits = run(enc.input_ids, enc.attention_mask)
     for i, p in enumerate(prompts):
         ids = tok(p, return_tensors="pt").input_ids
-        alone = _greedy(model, ids, ResidualKVCache.from_model(model, codec, cfg), n=12)
-        assert both[i, enc.input_ids.shape[1]:].tolist() == alone[0, ids.shape[1]:].tolist()
+        alone, alone_logits = run(ids, torch.ones_like(ids))
+        same = (both[i] == alone[0]).tolist() + [False]
+        d = same.index(False)  # the first step where the two greedy paths part, if they do
+        # A padded batch sums in another order; a last-bit difference can move a value across an INT4/FP8
+        # rounding boundary, so logits differ by more than float noise (seen: 0.03 after the prompt). The
+        # greedy paths may therefore part, but only at a near-tie of the top two logits.
+        if d < alone.shape[1]:
+            top2 = alone_logits[0, d].topk(2).values
+            assert float(top2[0] - top2[1]) < 1e-2, (i, d, top2)
+        assert float(both_logits[i, 0].sub(alone_logits[0, 0]).abs().max()) < 0.1  # the first token's logits agree
 
 
 def test_every_token_is_stored_compressed_while_decoding(tiny_model):
