@@ -29,8 +29,10 @@ attention function, the cache only to `cache.update`; the hand-off between the t
 * `sparse_attention_forward`, registered in `AttentionInterface` as "residualkv_sparse", picks the
   hand-off up when it is for the very K tensor it receives, then: "sparse" -> gathers the model's mask
   at the returned slots (and masks padding columns); "score" -> attends densely and stores I_t on
-  the controller; "snap" -> attends densely and evicts. With no hand-off it is exactly transformers'
-  SDPA, so installing it on a model changes nothing for other caches.
+  the controller; "snap" -> attends densely and evicts; "kivi" (`FusedFullDecode`, any mode, where the
+  kernels run) -> the cache returned zero-length K/V and the function attends over the full layer's
+  packed stores with kernels/kivi_attention.py. With no hand-off it is exactly transformers' SDPA, so
+  installing it on a model changes nothing for other caches.
 """
 
 from __future__ import annotations
@@ -45,19 +47,24 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from .cache import ResidualLayer, _RowStores
+from kernels.kivi_attention import kivi_decode_attention
+from kernels._common import use_triton
+
+from .cache import KiviLayer, ResidualLayer, RowLayout, _RowStores
 
 ATTN_IMPLEMENTATION = "residualkv_sparse"
 
 
 @dataclass
 class _Handoff:
-    controller: "SparseController"
+    controller: "SparseController | None"  # None for "kivi"
     layer_idx: int
-    kind: str  # "score" | "sparse" | "snap"
+    kind: str  # "score" | "sparse" | "snap" | "kivi"
     key: torch.Tensor  # the K tensor cache.update returned: the attention call must receive this object
     slots: torch.Tensor | None  # "sparse": [B, L] mask column of each returned K column, -1 = padding
     consumed: bool = False
+    layer: KiviLayer | None = None  # "kivi": the full-attention layer whose packed stores the kernel reads
+    rows: RowLayout | None = None  # "kivi": its row groups (one store per group)
 
 
 _HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
@@ -247,17 +254,81 @@ class SparseController:
     # -- hand-off --
 
     def _hand(self, layer_idx: int, kind: str, key: torch.Tensor, slots: torch.Tensor | None) -> None:
-        self.pending = _Handoff(self, layer_idx, kind, key, slots)
-        _HANDOFF.set(self.pending)
+        _hand_off(self, _Handoff(self, layer_idx, kind, key, slots))
 
     def _check_pending(self) -> None:
-        h, self.pending = self.pending, None
-        if h is not None and not h.consumed:
-            _HANDOFF.set(None)
-            raise RuntimeError(
-                f"layer {h.layer_idx}'s attention did not run through {ATTN_IMPLEMENTATION!r}, so the "
-                f"{self.cfg.mode} selection could not be made; call residualkv.attention.install(model) (caches "
-                "built with from_model do this) and keep the model on that attention implementation")
+        _check_handed_off(self, f"the {self.cfg.mode} selection could not be made")
+
+
+def _hand_off(owner, h: _Handoff) -> None:
+    owner.pending = h
+    _HANDOFF.set(h)
+
+
+def _check_handed_off(owner, consequence: str) -> None:
+    """Called by the owner before its next layer: the attention function must have taken the hand-off."""
+    h, owner.pending = owner.pending, None
+    if h is not None and not h.consumed:
+        _HANDOFF.set(None)
+        raise RuntimeError(
+            f"layer {h.layer_idx}'s attention did not run through {ATTN_IMPLEMENTATION!r}, so {consequence}; "
+            "call residualkv.attention.install(model) (caches built with from_model do this) and keep the model "
+            "on that attention implementation")
+
+
+# ---------------------------------------------------------------------------------------------
+# Full-attention layers on the fused KIVI decode kernel
+
+
+class FusedFullDecode:
+    """Decode steps of the full-attention (KIVI) layers on kernels/kivi_attention.py (seed §4.5): the
+    layer stores the new token and hands its packed stores to the attention function, which attends over
+    the packed bytes; the FP16 history is never materialised. Only where the kernel runs (CUDA, or
+    kernel_impl "triton" under TRITON_INTERPRET), without gradients, one query position per row, and
+    not at OmniKV's choosing layers (they score every history key, so they read K anyway)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        sparse = cache.sparse
+        self.skip = sparse.choosers if sparse is not None and cache.config.mode == "omnikv" else frozenset()
+        self.pending: _Handoff | None = None
+        self.steps = 0  # layer-steps served by the kernel (tests and benchmarks check the path was taken)
+
+    def check(self) -> None:
+        _check_handed_off(self, "the fused KIVI decode attention did not run")
+
+    def applies(self, layer_idx: int, key_states: torch.Tensor) -> bool:
+        return (isinstance(self.cache.layers[layer_idx], KiviLayer) and key_states.shape[2] == 1
+                and layer_idx not in self.skip and not torch.is_grad_enabled()
+                and use_triton(self.cache.config.kernel_impl, key_states))
+
+    def update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        layer = self.cache.layers[layer_idx]
+        layer.write(key_states, value_states, self.cache.rows)
+        B, H, _, D = key_states.shape
+        # zero-length stand-ins: the attention function recognises the K object and reads the stores
+        k, v = key_states.new_empty(B, H, 0, D), value_states.new_empty(B, H, 0, value_states.shape[-1])
+        _hand_off(self, _Handoff(None, layer_idx, "kivi", k, None, layer=layer, rows=self.cache.rows))
+        self.steps += 1
+        return k, v
+
+
+def _kivi_attention(module, query: torch.Tensor, h: _Handoff, kwargs: dict) -> torch.Tensor:
+    """Decode attention of one KIVI layer on its packed stores -> [B, 1, Hq, D] (the layout transformers'
+    attention functions return). Each row group attends over its own store, which holds exactly that
+    group's real tokens, so the padding mask needs no columns; a one-token query needs no causal mask."""
+    if kwargs.get("dropout") or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError("the fused KIVI decode attention supports plain softmax attention only (no dropout, "
+                         "soft-capping or sliding window); build the cache with kernel_impl='torch' for this model")
+    scale, impl = kwargs.get("scaling"), h.layer.cfg.kernel_impl
+    if len(h.layer.stores) == 1:
+        out = kivi_decode_attention(query, h.layer.stores[0], scale=scale, impl=impl)
+    else:
+        out = torch.empty_like(query)
+        for grp, store in zip(h.rows.groups, h.layer.stores):
+            r = grp.rows.to(query.device)
+            out[r] = kivi_decode_attention(query[r], store, scale=scale, impl=impl)
+    return out.transpose(1, 2).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +342,8 @@ def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     h.consumed = True
     _HANDOFF.set(None)
+    if h.kind == "kivi":
+        return _kivi_attention(module, query, h, kwargs), None
     if h.kind == "sparse":
         return sdpa_attention_forward(module, query, key, value, gather_mask(attention_mask, h.slots, query), **kwargs)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -313,5 +386,5 @@ def install(model) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "SparseController", "gather_mask", "install", "omnikv_token_scores", "register",
+__all__ = ["ATTN_IMPLEMENTATION", "FusedFullDecode", "SparseController", "gather_mask", "install", "omnikv_token_scores", "register",
            "select_tokens", "snapkv_aggregate", "snapkv_head_scores", "snapkv_token_scores", "sparse_attention_forward", "token_budget"]

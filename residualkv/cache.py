@@ -81,6 +81,34 @@ class RowLayout:
 # Per-group stores: the bytes.
 
 
+Rope = tuple  # (cos [B, n, D], sin [B, n, D], number of KV heads H): RoPE at the positions of the tokens read
+
+
+def _rotate_rest(kv: torch.Tensor, rope: Rope, rotated: torch.Tensor | None):
+    """Flat kv [B, n, 2·d_k] -> K, V [B, H, n, D], applying RoPE to the keys of the tokens not yet
+    rotated (`rotated` [B, n] bool marks those the fused kernel already rotated; None = none)."""
+    cos, sin, H = rope
+    k, v = _unflat(kv, H, kv.shape[-1] // (2 * H))
+    if rotated is None:
+        return apply_rope(k, cos, sin), v
+    k = k.clone()
+    todo = ~rotated
+    rows = k.transpose(1, 2)[todo]  # [N, H, D]: the keys still pre-RoPE, each as a one-token sequence
+    k.transpose(1, 2)[todo] = apply_rope(rows[:, :, None], cos[todo][:, None], sin[todo][:, None])[:, :, 0]
+    return k, v
+
+
+def _row_rope(rope: Rope | None, i: int) -> Rope | None:
+    return None if rope is None else (rope[0][i : i + 1], rope[1][i : i + 1], rope[2])
+
+
+def _stack(parts: list):
+    """Per-row reads (flat tensors, or (K, V) pairs) -> one batch."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=dim)
 
@@ -163,11 +191,13 @@ class ResidualStore:
         self.n += T
         return out
 
-    def read(self) -> torch.Tensor:
-        """Reconstruct every stored token: [B, n, 2·d_k] float32 (after an eviction: every visible one)."""
+    def read(self, rope: Rope | None = None):
+        """Reconstruct every stored token (after an eviction: every visible one): [B, n, 2·d_k] float32
+        pre-RoPE keys ‖ values; with `rope` = (cos, sin [B, n, D] of the tokens' positions, H heads), the
+        K, V [B, H, n, D] attention reads, keys rotated (on the kernel, inside the fused reconstruction)."""
         cfg = self.cfg
         if self.ref_ord is not None:
-            return self.read_selected(self.visible_ordinals())
+            return self.read_selected(self.visible_ordinals(), rope)
         refs = self.decoded_refs()
         if refs is None:
             return torch.empty(0)
@@ -177,32 +207,45 @@ class ResidualStore:
         out = refs.new_empty(B, self.n, d)
         is_ref = self.schedule.is_ref(0, self.n).to(refs.device)
         out[:, is_ref] = refs
+        rotated = None
         if self.codes is not None:
             if self._use_kernel():
                 C = self.codes.codes.shape[1]
                 sel = torch.arange(C, device=refs.device)[None].expand(B, C)
-                out[:, ~is_ref] = self._reconstruct_kernel(sel)
+                code_rope = None if rope is None else (rope[0][:, ~is_ref], rope[1][:, ~is_ref], rope[2])
+                out[:, ~is_ref] = self._reconstruct_kernel(sel, code_rope)
+                rotated = None if code_rope is None or not self._fuses_rope(rope[2]) else (~is_ref).expand(B, -1)
             else:
                 mean = mean_of_refs(refs, self.ref_idx.long())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
                 out[:, ~is_ref] = self.codec.decode(z).float() + mean
-        return out
+        return out if rope is None else _rotate_rest(out, rope, rotated)
 
     def _use_kernel(self) -> bool:
         return use_triton(self.cfg.kernel_impl, self.refs) and fused_group_ok(self.cfg.group_size)
 
-    def _reconstruct_kernel(self, sel: torch.Tensor) -> torch.Tensor:
-        """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> pre-RoPE kv [B, n, 2·d_k] via the
-        fused gather + dequantise + W_d + mean-of-refs kernel. RoPE is applied by the layer (with every
-        other history token), so the kernel runs with the identity rotation."""
+    def _fuses_rope(self, heads: int) -> bool:
+        """The kernel rotates a key head in registers as two [n, D/2] halves: heads up to 128 wide."""
+        D = self.refs.shape[-1] // (2 * heads)
+        return D % 2 == 0 and D <= 128
+
+    def _reconstruct_kernel(self, sel: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> kv [B, n, 2·d_k] via the fused
+        gather + dequantise + W_d + mean-of-refs (+ RoPE) kernel. With `rope` (cos, sin [B, n, D] at the
+        selected codes, H heads) the keys come back rotated where the heads fit the kernel's tile;
+        otherwise pre-RoPE."""
         cfg = self.cfg
         half = self.refs.shape[-1] // 2
-        # with the identity rotation any split of the features into "heads" returns the same flat rows:
-        # pick the fewest heads whose width stays within a 128-wide tile (the kernel's register budget)
-        heads = next(h for h in range(1, half + 1) if half % h == 0 and (half // h) % 2 == 0 and half // h <= 128)
         n = sel.shape[1]
-        ones = torch.ones(1, n, half // heads, device=sel.device)
-        k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, ones, torch.zeros_like(ones),
+        if rope is not None and self._fuses_rope(rope[2]):
+            cos, sin, heads = rope
+        else:
+            # with the identity rotation any split of the features into "heads" returns the same flat rows:
+            # pick the fewest heads whose width stays within a 128-wide tile (the kernel's register budget)
+            heads = next(h for h in range(1, half + 1) if half % h == 0 and (half // h) % 2 == 0 and half // h <= 128)
+            cos = torch.ones(1, n, half // heads, device=sel.device)
+            sin = torch.zeros_like(cos)
+        k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, cos, sin,
                                     bits=cfg.bits, group=cfg.group_size, num_kv_heads=heads, ref_format=cfg.ref_format,
                                     impl=cfg.kernel_impl)
         return torch.cat([flat_heads(k), flat_heads(v)], dim=-1)
@@ -234,16 +277,18 @@ class ResidualStore:
                 raise IndexError("asked for a token that SnapKV evicted: eviction is irreversible")
         return is_ref, torch.where(is_ref, ridx, cidx)
 
-    def read_selected(self, ordinals: torch.Tensor) -> torch.Tensor:
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None):
         """Reconstruct only the tokens at `ordinals` [B, S] (each row its own ordinals): selected
         references are read as references; selected codes are dequantised and decoded, and only the
         references their means need are read (each needed reference once). Returns [B, S, 2·d_k]
-        float32, equal to the same columns of `read()`."""
+        float32, equal to the same columns of `read()`; with `rope` (cos, sin [B, S, D], H), K, V
+        [B, H, S, D] with the keys rotated, as `read` does."""
         cfg = self.cfg
         B, S = ordinals.shape
         if self.refs is None or S == 0:
             d = self.refs.shape[-1] if self.refs is not None else self.codec.dims.d_kv
-            return torch.zeros(B, S, d)
+            out = torch.zeros(B, S, d, device=ordinals.device)
+            return out if rope is None else _rotate_rest(out, rope, None)
         dev = self.refs.device
         ordinals = ordinals.to(device=dev, dtype=torch.long)
         is_ref, pos = self._locate(ordinals)
@@ -265,12 +310,20 @@ class ResidualStore:
         self.refs_decoded += int(nb.numel())
         out = table.new_empty(B, S, table.shape[-1])
         out[is_ref] = table[slot[rb, rp]]
+        rotated = None
         if cb.numel() and self._use_kernel():
             # per row, its selected codes in order: rank of each within its row, padded with -1
             rank = torch.cumsum(~is_ref, dim=1) - 1
             sel = torch.full((B, int((~is_ref).sum(1).max())), -1, dtype=torch.long, device=dev)
             sel[cb, rank[~is_ref]] = cp
-            out[~is_ref] = self._reconstruct_kernel(sel)[cb, rank[~is_ref]]
+            code_rope = None
+            if rope is not None:  # cos/sin in the same ragged layout as sel (padding rows: zeros)
+                cos = rope[0].new_zeros(B, sel.shape[1], rope[0].shape[-1])
+                sin = torch.zeros_like(cos)
+                cos[cb, rank[~is_ref]], sin[cb, rank[~is_ref]] = rope[0][~is_ref], rope[1][~is_ref]
+                code_rope = (cos, sin, rope[2])
+                rotated = ~is_ref if self._fuses_rope(rope[2]) else None
+            out[~is_ref] = self._reconstruct_kernel(sel, code_rope)[cb, rank[~is_ref]]
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
             mean_idx = torch.where(ok, slot[cb[:, None].expand_as(idx), idx.clamp(min=0)], -1)
@@ -279,7 +332,7 @@ class ResidualStore:
             z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
             out[~is_ref] = self.codec.decode(z).float() + mean
             self.codes_decoded += int(cb.numel())
-        return out
+        return out if rope is None else _rotate_rest(out, rope, rotated)
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
@@ -369,11 +422,11 @@ class _RowStores:
     def write(self, kv: torch.Tensor) -> torch.Tensor:
         return torch.cat([s.write(kv[i : i + 1]) for i, s in enumerate(self.stores)])
 
-    def read(self) -> torch.Tensor:
-        return torch.cat([s.read() for s in self.stores])
+    def read(self, rope: Rope | None = None):
+        return _stack([s.read(_row_rope(rope, i)) for i, s in enumerate(self.stores)])
 
-    def read_selected(self, ordinals: torch.Tensor) -> torch.Tensor:
-        return torch.cat([s.read_selected(ordinals[i : i + 1]) for i, s in enumerate(self.stores)])
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None):
+        return _stack([s.read_selected(ordinals[i : i + 1], _row_rope(rope, i)) for i, s in enumerate(self.stores)])
 
     def visible_ordinals(self) -> torch.Tensor:
         return torch.cat([s.visible_ordinals() for s in self.stores])
@@ -466,19 +519,24 @@ class _GroupedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def _groups(self, key_states, value_states, rows: RowLayout):
+        """Per row group: (group, its store, the row selector, its new keys, its new values)."""
+        s0 = self.n_slots
+        for gi, grp in enumerate(rows.groups):
+            if gi == len(self.stores):
+                self.stores.append(self._new_store())
+            lo = max(0, grp.start - s0)
+            sel = slice(None) if len(rows.groups) == 1 else grp.rows
+            yield grp, self.stores[gi], sel, key_states[sel, :, lo:], value_states[sel, :, lo:]
+
     def update(self, key_states, value_states, rows: RowLayout, *args, **kwargs):
         self.is_initialized = True
         B, H, T, D = key_states.shape
         s0, s1 = self.n_slots, self.n_slots + T
         before = self._decoded()
         outs = []
-        for gi, grp in enumerate(rows.groups):
-            if gi == len(self.stores):
-                self.stores.append(self._new_store())
-            lo = max(0, grp.start - s0)
-            sel = slice(None) if len(rows.groups) == 1 else grp.rows
-            pos = rows.positions[sel, grp.start : s1]
-            k, v = self._write_and_read(self.stores[gi], key_states[sel, :, lo:], value_states[sel, :, lo:], pos)
+        for grp, store, sel, k_new, v_new in self._groups(key_states, value_states, rows):
+            k, v = self._write_and_read(store, k_new, v_new, rows.positions[sel, grp.start : s1])
             outs.append((grp, k, v))
         self.n_slots = s1
         self._count(rows, s0, T, before, None)
@@ -503,11 +561,7 @@ class _GroupedLayer(CacheLayerMixin):
         dev = key_states.device
         before = self._decoded()
         parts, read = [], 0
-        for gi, grp in enumerate(rows.groups):
-            if gi == len(self.stores):
-                self.stores.append(self._new_store())
-            lo = max(0, grp.start - s0)
-            sel = slice(None) if len(rows.groups) == 1 else grp.rows
+        for gi, (grp, store, sel, k_new, v_new) in enumerate(self._groups(key_states, value_states, rows)):
             n_rows, first_new = int(grp.rows.numel()), max(s0, grp.start)
             ords = select[gi]
             if ords is None:
@@ -516,8 +570,7 @@ class _GroupedLayer(CacheLayerMixin):
                 hist = grp.start + ords.to(device=dev, dtype=torch.long)
             pos_all = rows.positions[sel]
             pos = torch.cat([pos_all.gather(1, hist), pos_all[:, first_new:s1]], dim=1)
-            k, v = self._write_and_read(self.stores[gi], key_states[sel, :, lo:], value_states[sel, :, lo:], pos,
-                                        ordinals=ords)
+            k, v = self._write_and_read(store, k_new, v_new, pos, ordinals=ords)
             slots = torch.cat([hist, torch.arange(first_new, s1, device=dev).expand(n_rows, -1)], dim=1)
             parts.append((grp, k, v, slots))
             read += n_rows * hist.shape[1]
@@ -534,6 +587,18 @@ class _GroupedLayer(CacheLayerMixin):
             out_v[grp.rows, :, : k.shape[2]] = v
             out_s[grp.rows, : k.shape[2]] = slots
         return out_k, out_v, out_s
+
+    def write(self, key_states, value_states, rows: RowLayout) -> None:
+        """Store a step's tokens without reading the history back (the fused KIVI decode attention
+        reads the packed stores itself, see residualkv.attention.FusedFullDecode). Counted as a read
+        of the whole history, which that attention attends over."""
+        self.is_initialized = True
+        s0, T = self.n_slots, key_states.shape[2]
+        before = self._decoded()
+        for _, store, _, k_new, v_new in self._groups(key_states, value_states, rows):
+            store.write(k_new, v_new)
+        self.n_slots = s0 + T
+        self._count(rows, s0, T, before, None)
 
     def _decoded(self) -> tuple[int, int]:
         return (sum(getattr(s, "codes_decoded", 0) for s in self.stores),
@@ -580,20 +645,22 @@ class ResidualLayer(_GroupedLayer):
         """`pos` holds the RoPE positions of the returned tokens: the history read (all of it, or the
         tokens at `ordinals` [B, S]) followed by the new tokens."""
         B, H, T, D = k.shape
-        if ordinals is None:
-            history = store.read() if store.n else None
-        else:
-            history = store.read_selected(ordinals)
-        n_new = T
         cos, sin = self.rope.cos_sin(pos, torch.float32)
-        k_pre = invert_rope(k.float(), cos[:, -n_new:], sin[:, -n_new:])
+        # the history comes back with its keys rotated (inside the fused reconstruction on the kernel)
+        hist_rope = (cos[:, :-T], sin[:, :-T], H)
+        if ordinals is None:
+            history = store.read(hist_rope) if store.n else None
+        else:
+            history = store.read_selected(ordinals, hist_rope)
+        k_pre = invert_rope(k.float(), cos[:, -T:], sin[:, -T:])
         kv = torch.cat([flat_heads(k_pre), flat_heads(v.float())], dim=-1)
         new = store.write(kv)
         if self.rec_terms is not None:
             self.rec_terms.append((new - kv).pow(2).sum())
-        full = new if history is None else torch.cat([history, new], dim=1)
-        k_hat, v_hat = _unflat(full, H, D)
-        k_hat = apply_rope(k_hat, cos, sin)
+        k_hat, v_hat = _unflat(new, H, D)
+        k_hat = apply_rope(k_hat, cos[:, -T:], sin[:, -T:])
+        if history is not None:
+            k_hat, v_hat = torch.cat([history[0], k_hat], dim=2), torch.cat([history[1], v_hat], dim=2)
         return k_hat.to(k.dtype), v_hat.to(v.dtype)
 
     def nbytes(self) -> dict[str, int]:
@@ -681,6 +748,7 @@ class ResidualKVCache(Cache):
                   else ResidualLayer(codec.layer(i), config, self.rows.schedule, rope) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.sparse = _controller(self)
+        self.fused_full = None  # residualkv.attention.FusedFullDecode, set by from_model where the kernel runs
 
     @classmethod
     def from_model(cls, model, codec: ResidualCodec | None, config: ResidualKVConfig | None = None, **changes):
@@ -697,6 +765,11 @@ class ResidualKVCache(Cache):
         cache = cls(codec, config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                     rope=RopeTable.from_model(model))
         _install_if_sparse(model, config)
+        if config.full_attention_layers and _fused_full_decode_ok(model, config):
+            from .attention import FusedFullDecode, install
+
+            install(model)
+            cache.fused_full = FusedFullDecode(cache)
         return cache
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -705,6 +778,10 @@ class ResidualKVCache(Cache):
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
             if self.sparse is not None:
                 self.sparse.begin_step(key_states.shape[2])
+        if self.fused_full is not None:
+            self.fused_full.check()
+            if self.fused_full.applies(layer_idx, key_states):
+                return self.fused_full.update(layer_idx, key_states, value_states)
         if self.sparse is not None:  # omnikv / snapkv: residualkv.attention decides what each layer reads
             return self.sparse.update(layer_idx, key_states, value_states)
         return layer.update(key_states, value_states, self.rows)
@@ -716,6 +793,8 @@ class ResidualKVCache(Cache):
             if isinstance(layer, ResidualLayer):
                 layer.schedule = self.rows.schedule
         self.sparse = _controller(self)
+        if self.fused_full is not None:
+            self.fused_full = type(self.fused_full)(self)
 
     READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool")
 
@@ -736,13 +815,14 @@ class ResidualKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, ResidualLayer):
                 memo[id(layer.rope)] = layer.rope
-        sparse, self.sparse = self.sparse, None
+        sparse, fused, self.sparse, self.fused_full = self.sparse, self.fused_full, None, None
         try:
             new = copy.deepcopy(self, memo)
         finally:
-            self.sparse = sparse
+            self.sparse, self.fused_full = sparse, fused
         new.config = cfg
         new.sparse = _controller(new)
+        new.fused_full = type(fused)(new) if fused is not None else None
         return new
 
     def collect_rec_loss(self) -> list[torch.Tensor]:
@@ -821,6 +901,7 @@ class OmniKVCache(ResidualKVCache):
         self.rows = RowLayout(ReferenceSchedule(config.n_sink, config.stride, config.stride_alpha))
         Cache.__init__(self, layers=[DenseLayer() for _ in range(num_layers)])
         self.sparse = _controller(self)
+        self.fused_full = None
 
     @classmethod
     def from_model(cls, model, config: ResidualKVConfig | None = None, **changes):
@@ -844,6 +925,17 @@ def _install_if_sparse(model, config: ResidualKVConfig) -> None:
         from .attention import install
 
         install(model)
+
+
+def _fused_full_decode_ok(model, config: ResidualKVConfig) -> bool:
+    """Whether full-attention layers decode on the fused KIVI kernel: where the kernels run on this
+    model's device and its attention is plain softmax attention (no sliding window, no soft-capping)."""
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return False
+    return use_triton(config.kernel_impl, next(model.parameters()))
 
 
 def _position_ids(args, kwargs) -> torch.Tensor | None:

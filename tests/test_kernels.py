@@ -378,11 +378,12 @@ def test_kernels_compile_for_sm90():
 # the library on the kernels: a whole model run through the cache with kernel_impl="triton"
 
 
-@pytest.mark.parametrize("mode", ["standalone", "omnikv"])
+@pytest.mark.parametrize("mode", ["standalone", "omnikv", "snapkv"])
 def test_cache_on_kernels_matches_cache_on_torch(mode):
     """Prefill + decode through `ResidualKVCache` with every hot path on the Triton kernels (top-k,
-    quantise-and-pack on write; fused reconstruction on full and selective reads) gives the same
-    stored bytes, the same tokens and near-identical logits as the torch path."""
+    quantise-and-pack on write; fused reconstruction with RoPE on full and selective reads; decode
+    attention of the KIVI layers on their packed bytes) gives the same stored bytes, the same tokens and
+    near-identical logits as the torch path."""
     from transformers import LlamaForCausalLM
 
     from residualkv.attention import install
@@ -392,7 +393,8 @@ def test_cache_on_kernels_matches_cache_on_torch(mode):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config()).eval().to(DEV)
     install(model)
-    cfg = ResidualKVConfig(full_attention_layers=(1,), stride=4, n_sink=2, mode=mode, select_budget=12, n_recent=4)
+    # filter layers 0 and 1: layer 1 chooses I_t (reads K), layer 0 decodes on the fused KIVI kernel
+    cfg = ResidualKVConfig(full_attention_layers=(0, 1), stride=4, n_sink=2, mode=mode, select_budget=12, n_recent=4)
     codec = ResidualCodec.for_model(model.config, cfg, d_c=32, d_ff=48, seed=0).to(DEV)
     ids = torch.randint(0, 128, (2, 40), generator=_gen(1)).to(DEV)
     runs = {}
@@ -403,13 +405,15 @@ def test_cache_on_kernels_matches_cache_on_torch(mode):
                                  return_dict_in_generate=True)
         runs[impl] = (out, cache)
     (a, ca), (b, cb) = runs["torch"], runs["triton"]
+    assert ca.fused_full is None
+    assert cb.fused_full.steps == 5 * (1 if mode == "omnikv" else 2)  # 5 decode steps x fused KIVI layers
     assert torch.equal(a.sequences, b.sequences)
     for la, lb in zip(a.logits, b.logits):
         torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
     for i, (x, y) in enumerate(zip(ca.layers, cb.layers)):
         if i in cfg.full_attention_layers:
             continue
-        for sx, sy in zip(x.stores, y.stores):
+        for sx, sy in zip(_row_stores(x), _row_stores(y)):
             assert _same_bytes(sx.refs, sy.refs)
             # the same k references per token, but for near-ties: the kernel sums distances in another
             # order (and lists equal distances in index order)
@@ -419,6 +423,42 @@ def test_cache_on_kernels_matches_cache_on_torch(mode):
             diff = [(p.view(torch.uint8) != q.view(torch.uint8)).float().mean().item() for p, q in zip(sx.codes, sy.codes)]
             assert max(diff) < 0.01, diff
             assert (sx.codes_decoded, sx.refs_decoded) == (sy.codes_decoded, sy.refs_decoded)
+
+
+def test_full_layers_decode_on_fused_kivi_kernel_left_padded():
+    """A cache of KIVI layers only (the kivi4 baseline) on a left-padded batch: decode attention runs on
+    the packed stores through the fused kernel (one store per row group, so padding needs no mask) and
+    matches dequantise-then-SDPA; the counts of what attention read stay those of the torch path."""
+    from transformers import LlamaForCausalLM
+
+    from residualkv.cache import ResidualKVCache
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval().to(DEV)
+    cfg = ResidualKVConfig(full_attention_layers=(0, 1, 2, 3), full_group_size=16, full_window=16)
+    ids = torch.randint(1, 128, (3, 37), generator=_gen(2)).to(DEV)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    runs = {}
+    for impl in ("torch", "triton"):
+        cache = ResidualKVCache.from_model(model, None, cfg, kernel_impl=impl)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=5, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        runs[impl] = (out, cache)
+    (a, ca), (b, cb) = runs["torch"], runs["triton"]
+    assert cb.fused_full.steps == 4 * 4 and len(cb.rows.groups) == 3
+    assert torch.equal(a.sequences, b.sequences)
+    for la, lb in zip(a.logits, b.logits):
+        torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+    assert [(x.tokens_read, x.tokens_available) for x in ca.layers] == [(x.tokens_read, x.tokens_available) for x in cb.layers]
+    assert ca.nbytes() == cb.nbytes()
+
+
+def _row_stores(layer) -> list:
+    """A layer's ResidualStores; after a SnapKV eviction a group's store is one store per row."""
+    return [one for s in layer.stores for one in getattr(s, "stores", [s])]
 
 
 def test_store_reads_on_kernels_split_wide_rows_into_tiles():
@@ -439,3 +479,36 @@ def test_store_reads_on_kernels_split_wide_rows_into_tiles():
         torch.testing.assert_close(stores["triton"].read(), stores["torch"].read(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(stores["triton"].read_selected(sel), stores["torch"].read_selected(sel),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,head_dim", [(3, 64), (1, 256)])
+def test_store_reads_with_rope_fused_on_kernels(heads, head_dim):
+    """read(rope) / read_selected(rope) return K (rotated at each token's position) and V per head. On the
+    kernel, codes are rotated inside the fused reconstruction where a head fits its tile (D <= 128) and
+    references by torch; a 256-wide head falls back to the identity rotation + torch RoPE. Both equal the
+    torch path, which rotates everything after reconstructing."""
+    d_kv = 2 * heads * head_dim
+    cfg = dict(stride=4, n_sink=2, k=3, bits=4, group_size=32)
+    codec = LayerCodec(CodecDims(d_kv=d_kv, d_c=64, d_ff=32))
+    kv = _randn(2, 37, d_kv, seed=4).cpu()
+    pos = torch.stack([torch.arange(37), torch.arange(37) + 100])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_from_positions(pos, inv_freq)
+    sel = torch.tensor([[0, 5, 9, 36], [3, 4, 20, 21]])
+    cos_sel, sin_sel = cos.gather(1, sel[..., None].expand(-1, -1, head_dim)), sin.gather(1, sel[..., None].expand(-1, -1, head_dim))
+    reads = {}
+    for impl in ("torch", "triton"):
+        c = ResidualKVConfig(kernel_impl=impl, **cfg)
+        st = ResidualStore(codec, c, ReferenceSchedule(c.n_sink, c.stride, c.stride_alpha))
+        with torch.no_grad():
+            st.write(kv)
+            reads[impl] = (st.read((cos, sin, heads)), st.read_selected(sel, (cos_sel, sin_sel, heads)), st.read())
+    (k_all, v_all), (k_sel, v_sel), flat = reads["torch"]
+    # the torch path is the definition: unflatten the flat read, rotate the keys
+    k_flat, v_flat = flat.split(d_kv // 2, dim=-1)
+    k_def = apply_rope(k_flat.reshape(2, 37, heads, head_dim).transpose(1, 2), cos, sin)
+    torch.testing.assert_close(k_all, k_def)
+    torch.testing.assert_close(v_all, v_flat.reshape(2, 37, heads, head_dim).transpose(1, 2))
+    for got, want in zip(reads["triton"][:2], reads["torch"][:2]):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
