@@ -97,6 +97,7 @@ from kernels.reconstruct import bytes_moved as recon_bytes  # noqa: E402
 from kernels.reconstruct import reconstruct_selected, rope_params  # noqa: E402
 from kernels.topk_l2 import bytes_read as topk_bytes  # noqa: E402
 from kernels.topk_l2 import topk_l2  # noqa: E402
+from kernels._common import use_triton  # noqa: E402
 from residualkv import config as rkv_config  # noqa: E402
 from residualkv.backbones import get_backbone  # noqa: E402
 from residualkv.cache import KiviStore, ResidualKVCache, ResidualStore  # noqa: E402
@@ -566,10 +567,15 @@ def synthetic_state(model_cfg, cfg: ResidualKVConfig, d_c, n, steps, B, dev, gen
 
 
 def library_cache(model, codec, cfg, layers_state, n, B, dev):
-    """The library's own ResidualKVCache holding the same synthetic state (its torch path)."""
+    """The library's own ResidualKVCache holding the same synthetic state, dispatching to its kernels as
+    `from_model` sets it up on CUDA (fused reconstruction with RoPE, fused KIVI decode attention)."""
+    from residualkv.attention import FusedFullDecode
+
     H, D = model.config.num_key_value_heads, model.config.head_dim
     cache = ResidualKVCache(codec, cfg, num_layers=model.config.num_hidden_layers, num_kv_heads=H, head_dim=D,
                             rope=RopeTable.from_model(model))
+    if use_triton(cfg.kernel_impl, next(model.parameters())):
+        cache.fused_full = FusedFullDecode(cache)  # use_attention() installed residualkv's attention function
     cache.rows.append(None, B, n, dev)
     for i, layer in enumerate(cache.layers):
         st = layers_state[i]
@@ -678,8 +684,10 @@ def estimate_bytes(variant, model_cfg, cfg, n, B, d_c):
 VARIANTS = ["full", "residualkv-library", "residualkv+omnikv", "residualkv-kernels", "residualkv-kernels+fp16-full-layers"]
 VARIANT_NOTES = {
     "full": "bf16 full cache, preallocated; SDPA over all tokens",
-    "residualkv-library": "ResidualKVCache standalone (CR 100%), the library's torch path",
-    "residualkv+omnikv": "ResidualKVCache mode 'omnikv' (residualkv.attention), the library's torch path",
+    "residualkv-library": "ResidualKVCache standalone (CR 100%) as the library runs it on CUDA: its kernels "
+                          "(fused reconstruction with RoPE, fused KIVI-4 decode attention), history rebuilt "
+                          "into new tensors every step",
+    "residualkv+omnikv": "ResidualKVCache mode 'omnikv' (residualkv.attention), the library on its kernels",
     "residualkv-kernels": "standalone (CR 100%) on the Triton kernels: topk_l2 + quant_pack on write, "
                           "reconstruct_selected on read, fused KIVI-4 attention on full layers",
     "residualkv-kernels+fp16-full-layers": "as residualkv-kernels but full layers in bf16 (bench-only emulation of "
