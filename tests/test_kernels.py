@@ -461,19 +461,23 @@ def _row_stores(layer) -> list:
     return [one for s in layer.stores for one in getattr(s, "stores", [s])]
 
 
+def _filled_stores(d_kv: int, seed: int) -> dict[str, ResidualStore]:
+    """The same 37 tokens written into a store on each implementation."""
+    codec = LayerCodec(CodecDims(d_kv=d_kv, d_c=64, d_ff=32))
+    kv = _randn(2, 37, d_kv, seed=seed).cpu()
+    stores = {}
+    for impl in ("torch", "triton"):
+        c = ResidualKVConfig(kernel_impl=impl, stride=4, n_sink=2, k=3, bits=4, group_size=32)
+        stores[impl] = ResidualStore(codec, c, ReferenceSchedule(c.n_sink, c.stride, c.stride_alpha))
+        with torch.no_grad():
+            stores[impl].write(kv)
+    return stores
+
+
 def test_store_reads_on_kernels_split_wide_rows_into_tiles():
     """2·d_k = 384 (SmolLM2) is reconstructed as 2 tiles of 96 per K and V: read() and read_selected()
     on the kernel equal the torch path."""
-    cfg = dict(stride=4, n_sink=2, k=3, bits=4, group_size=32)
-    codec = LayerCodec(CodecDims(d_kv=384, d_c=64, d_ff=32))
-    kv = _randn(2, 37, 384, seed=3).cpu()
-    stores = {}
-    for impl in ("torch", "triton"):
-        c = ResidualKVConfig(kernel_impl=impl, **cfg)
-        st = ResidualStore(codec, c, ReferenceSchedule(c.n_sink, c.stride, c.stride_alpha))
-        with torch.no_grad():
-            st.write(kv)
-        stores[impl] = st
+    stores = _filled_stores(384, seed=3)
     sel = torch.tensor([[0, 5, 9, 36], [3, 4, 20, 21]])
     with torch.no_grad():
         torch.testing.assert_close(stores["triton"].read(), stores["torch"].read(), atol=1e-5, rtol=1e-5)
@@ -488,20 +492,14 @@ def test_store_reads_with_rope_fused_on_kernels(heads, head_dim):
     references by torch; a 256-wide head falls back to the identity rotation + torch RoPE. Both equal the
     torch path, which rotates everything after reconstructing."""
     d_kv = 2 * heads * head_dim
-    cfg = dict(stride=4, n_sink=2, k=3, bits=4, group_size=32)
-    codec = LayerCodec(CodecDims(d_kv=d_kv, d_c=64, d_ff=32))
-    kv = _randn(2, 37, d_kv, seed=4).cpu()
     pos = torch.stack([torch.arange(37), torch.arange(37) + 100])
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     cos, sin = rope_from_positions(pos, inv_freq)
     sel = torch.tensor([[0, 5, 9, 36], [3, 4, 20, 21]])
     cos_sel, sin_sel = cos.gather(1, sel[..., None].expand(-1, -1, head_dim)), sin.gather(1, sel[..., None].expand(-1, -1, head_dim))
     reads = {}
-    for impl in ("torch", "triton"):
-        c = ResidualKVConfig(kernel_impl=impl, **cfg)
-        st = ResidualStore(codec, c, ReferenceSchedule(c.n_sink, c.stride, c.stride_alpha))
-        with torch.no_grad():
-            st.write(kv)
+    with torch.no_grad():
+        for impl, st in _filled_stores(d_kv, seed=4).items():
             reads[impl] = (st.read((cos, sin, heads)), st.read_selected(sel, (cos_sel, sin_sel, heads)), st.read())
     (k_all, v_all), (k_sel, v_sel), flat = reads["torch"]
     # the torch path is the definition: unflatten the flat read, rotate the keys
