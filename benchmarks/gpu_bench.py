@@ -820,6 +820,16 @@ def targets(micro, kivi_rows, decode_rows, peak) -> dict:
     return t
 
 
+def _loglog(ax, ylabel: str, title: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot(path: Path, decode_rows, kivi_rows, title: str) -> None:
     import matplotlib
 
@@ -832,13 +842,7 @@ def plot(path: Path, decode_rows, kivi_rows, title: str) -> None:
     for (variant, B) in sorted({(r["variant"], r["batch"]) for r in ok}):
         pts = sorted((r["context"], r["tokens_per_s"]) for r in ok if r["variant"] == variant and r["batch"] == B)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{variant}, batch {B}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("decode throughput")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    _loglog(ax, "decode tokens/s", "decode throughput")
     ax = axes[1]
     for B in sorted({r["batch"] for r in kivi_rows}):
         rs = sorted((r for r in kivi_rows if r["batch"] == B), key=lambda r: r["context"])
@@ -846,13 +850,7 @@ def plot(path: Path, decode_rows, kivi_rows, title: str) -> None:
         for key, label in (("fused_kivi4_ms", "fused KIVI-4 (Triton)"), ("reference_dequant_sdpa_ms", "dequantise + SDPA"),
                            ("fp16_sdpa_ms", "bf16 SDPA, unquantised")):
             ax.plot(x, [r[key] for r in rs], marker="o", label=f"{label}, batch {B}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("ms per layer")
-    ax.set_title("full-layer decode attention")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    _loglog(ax, "ms per layer", "full-layer decode attention")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
