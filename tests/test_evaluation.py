@@ -281,6 +281,24 @@ def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
     assert "| method |" in (tmp_path / "run.md").read_text()
 
 
+def test_perplexity_pools_disjoint_windows(tiny_lm, tok):
+    """--ppl-windows: consecutive held-out windows, each through its own cache, pooled per token."""
+    import math
+
+    from residualkv.evaluation.perplexity import cache_perplexity, heldout_ids
+
+    rows = evaluate(tiny_lm, tok, ["kivi4"], samples=[], context_len=None, ppl_context=40, ppl_tokens=5,
+                    ppl_windows=3, progress=False)
+    windows = heldout_ids(tok, 3 * 45).view(3, 1, 45)
+    for r in rows:
+        each = [cache_perplexity(tiny_lm, build_method_cache(r["method"], tiny_lm), w, 40)["nll"] for w in windows]
+        assert r["ppl_windows"] == 3 and r["ppl_tokens"] == 15
+        assert math.isclose(r["nll"], sum(each) / 3, rel_tol=1e-9)
+        assert len(set(round(x, 6) for x in each)) == 3  # three different windows
+    with pytest.raises(ValueError, match="ppl_windows"):
+        evaluate(tiny_lm, tok, ["full"], samples=[], context_len=None, ppl_tokens=5, ppl_windows=0, progress=False)
+
+
 def test_full_rel_score_is_one_when_full_scores(tmp_path, tiny_lm, tok):
     # an answer that every prediction contains ("" is a substring of anything) gives the full cache signal
     samples = [Sample(id="s", task="t", context="x " * 30, question="q", answers=[""], max_new_tokens=2)]

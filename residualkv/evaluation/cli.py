@@ -61,6 +61,8 @@ def register(subparsers) -> None:
     e.add_argument("--out-dir", default=None, help="CSV, markdown, plot and predictions (default: next to --json)")
     e.add_argument("--ppl-context", type=int, default=None, help="perplexity context tokens (default: each context length)")
     e.add_argument("--ppl-tokens", type=int, default=64, help="continuation tokens scored one by one (0 skips perplexity)")
+    e.add_argument("--ppl-windows", type=int, default=1,
+                   help="disjoint held-out windows (context + continuation each) pooled into one perplexity")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true")
@@ -107,7 +109,7 @@ def cmd_eval(args) -> int:
     rows = evaluate(model, tok, methods, codec, cfg, samples=samples, suite=suite, tasks=tasks,
                     context_len=lengths if lengths is None or len(lengths) > 1 else lengths[0],
                     n_samples=args.n_samples, seed=args.seed, ppl_context=args.ppl_context,
-                    ppl_tokens=args.ppl_tokens, out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
+                    ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows, out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
                     json_path=json_path, progress=not args.no_progress,
                     extra={"backbone": args.backbone, "codec": str(codec_note) if codec_note else None,
                            "suite": args.tasks or suite, "seed": args.seed})

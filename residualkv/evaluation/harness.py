@@ -21,6 +21,7 @@ The full FP16 cache is always run (added first when not requested): quality is r
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -187,7 +188,8 @@ def suite_samples(suite: str, tokenizer, context_len: int | None, n_samples: int
 def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=None, *,
              samples: Sequence[Sample] | None = None, suite: str = "synthetic", tasks: Sequence[str] | None = None,
              context_len: int | Sequence[int] | None = 2048, n_samples: int = 5, seed: int = 0,
-             ppl_context: int | None = None, ppl_tokens: int = 64, min_new_tokens: int | None = None,
+             ppl_context: int | None = None, ppl_tokens: int = 64, ppl_windows: int = 1,
+             min_new_tokens: int | None = None,
              out_dir: str | Path | None = None, stem: str = "eval", json_path: str | Path | None = None,
              progress: bool = True, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run `methods` side by side on the same inputs; return one row per (method, context length).
@@ -197,7 +199,8 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     "ppl", "longbench:SUBSET", ...), with `tasks` choosing synthetic tasks (names or `synthetic.TaskConfig`s).
     `context_len` may be a list: every length gets its own rows (and its own synthetic samples).
     Perplexity: `ppl_tokens` scored after `ppl_context` tokens (default: the row's context length, 2048
-    without one); 0 skips it.
+    without one), in each of `ppl_windows` consecutive, disjoint windows of the held-out corpus, pooled
+    over every scored token (one cache per window); 0 tokens skips it.
     Files: with `out_dir`, writes <stem>.json/.csv/.md, <stem>_score_vs_kr.png and <stem>_predictions.jsonl
     (the JSON at `json_path` instead when given). `extra` fields are copied into every row.
     """
@@ -218,7 +221,10 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
         else:
             groups.append((L, suite_samples(suite, tokenizer, L, n_samples, seed, tasks)))
     ppl_runs = ppl_tokens > 0
-    total = sum(len(s) for _, s in groups) * len(methods) + (len(groups) * len(methods) if ppl_runs else 0)
+    if ppl_runs and ppl_windows < 1:
+        raise ValueError(f"ppl_windows={ppl_windows}: score at least one window (or set ppl_tokens=0)")
+    total = (sum(len(s) for _, s in groups) * len(methods)
+             + (len(groups) * len(methods) * ppl_windows if ppl_runs else 0))
 
     records: list[dict[str, Any]] = []
     ppl_results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -247,21 +253,26 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                     bar.update(1)
             if ppl_runs:
                 n_ctx = ppl_context or L or 2048
-                ppl_ids = heldout_ids(tokenizer, n_ctx + ppl_tokens)
+                n_win = n_ctx + ppl_tokens
+                windows = heldout_ids(tokenizer, n_win * ppl_windows).view(ppl_windows, 1, n_win)
                 for m in methods:
                     bar.set_postfix_str(f"{L or ''} ppl@{n_ctx} {m}")
                     key = (m, n_ctx)
-                    if key not in ppl_results:
+                    if key in ppl_results:
+                        bar.update(ppl_windows)
+                        continue
+                    parts = []
+                    for w in windows:
                         cache = build_method_cache(m, model, codec, base_config)
                         t0 = time.perf_counter()
-                        res = cache_perplexity(model, cache, ppl_ids, n_ctx)
+                        res = cache_perplexity(model, cache, w, n_ctx)
                         res["wall_s"] = time.perf_counter() - t0
                         rep = measure(cache)
-                        res.update({"kr_measured": rep["kr_measured"], "kr_formula": rep.get("kr_formula"),
-                                    "cr": rep["cr"], "ppl_context": n_ctx})
-                        ppl_results[key] = res
+                        res.update({k: rep.get(k) for k in ("kr_measured", "kr_formula", "cr")})
+                        parts.append(res)
                         del cache
-                    bar.update(1)
+                        bar.update(1)
+                    ppl_results[key] = _pool_windows(parts, n_ctx)
     finally:
         bar.close()
 
@@ -278,6 +289,16 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
+
+
+def _pool_windows(parts: list[dict[str, Any]], n_ctx: int) -> dict[str, Any]:
+    """Perplexity over several windows: the mean NLL of every scored token; KR and CR averaged."""
+    tokens = sum(p["tokens"] for p in parts)
+    nll = sum(p["nll"] * p["tokens"] for p in parts) / tokens
+    return {"nll": nll, "ppl": math.exp(nll), "tokens": tokens, "windows": len(parts), "ppl_context": n_ctx,
+            "wall_s": sum(p["wall_s"] for p in parts), "prefill_s": sum(p["prefill_s"] for p in parts),
+            "decode_s": sum(p["decode_s"] for p in parts), "kr_measured": _mean([p["kr_measured"] for p in parts]),
+            "kr_formula": _mean([p.get("kr_formula") for p in parts]), "cr": _mean([p["cr"] for p in parts])}
 
 
 def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], dict[str, Any]],
@@ -324,6 +345,7 @@ def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], 
                 "ppl_rel": (ppl["ppl"] / ref_ppl["ppl"]) if ppl and ref_ppl else None,
                 "ppl_context": ppl["ppl_context"] if ppl else None,
                 "ppl_tokens": ppl["tokens"] if ppl else None,
+                "ppl_windows": ppl["windows"] if ppl else None,
                 "time_s": sum(r["wall_s"] for r in mine) + (ppl["wall_s"] if ppl else 0.0),
                 "s_per_sample": _mean([r["wall_s"] for r in mine]),
                 "prefill_tok_s": (sum(r["prompt_tokens"] for r in mine) / sum(r["prefill_s"] for r in mine)) if mine else None,
