@@ -27,7 +27,7 @@ TABLE_I = {
     "qwen3-4b-thinking-2507": (2048, 512, 3072, [0, 3, 9, 13, 16, 21, 28]),
     # not in Table I: Llama-3.1's choices for Mistral; SmolLM2's own (see its YAML notes)
     "mistral-7b-instruct-v0.3": (2048, 512, 3072, [0, 1, 2, 8, 18]),
-    "smollm2-135m": (384, 128, 1152, [0, 1, 2, 8, 17]),
+    "smollm2-135m": (384, 160, 1152, [0, 1, 2, 8, 17]),
 }
 
 
@@ -62,7 +62,8 @@ def test_yaml_matches_table_and_is_consistent(name):
 def test_smollm2_choices():
     spec = get_backbone("smollm2-135m")
     assert spec.d_k == 192
-    assert spec.codec["d_c"] == 2 * spec.d_k // 3 == 4 * 32  # the YAML notes why 1/3 and not Table I's 1/4
+    assert spec.codec["d_c"] == 5 * 32  # the YAML notes why 5/12 of 2·d_k and not Table I's 1/4
+    assert spec.codec["stride"] == 11  # what pays for it inside the 20% KR budget
     assert spec.codec["d_ff"] == 3 * 2 * spec.d_k
     assert spec.source["kind"] == "pypi-gguf"
 
