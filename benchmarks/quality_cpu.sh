@@ -41,4 +41,9 @@ run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --conte
 run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 1 --ppl-tokens 0 \
   --methods full,residualkv-standalone,residualkv-r10 \
   --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k.json"
+# OmniKV selection on the uncompressed cache at the same CR (issue #4's bytes-at-equal-score comparison)
+run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 2048 --n-samples 2 --ppl-tokens 0 \
+  --methods full,omnikv-r15 --threads "$THREADS" --no-progress --json "$OUT/synthetic_2k_omnikv.json"
+run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 1 --ppl-tokens 0 \
+  --methods full,omnikv-r10 --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k_omnikv.json"
 for p in "${pids[@]}"; do wait "$p"; done  # a failed job fails the script
