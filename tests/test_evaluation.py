@@ -281,14 +281,16 @@ def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
     assert "| method |" in (tmp_path / "run.md").read_text()
 
 
-def test_perplexity_pools_disjoint_windows(tiny_lm, tok):
+def test_perplexity_pools_disjoint_windows(tmp_path, tiny_lm, tok):
     """--ppl-windows: consecutive held-out windows, each through its own cache, pooled per token."""
     import math
 
     from residualkv.evaluation.perplexity import cache_perplexity, heldout_ids
 
+    (tmp_path / "ppl_predictions.jsonl").write_text("{}\n")  # an earlier run's, under the same stem
     rows = evaluate(tiny_lm, tok, ["kivi4"], samples=[], context_len=None, ppl_context=40, ppl_tokens=5,
-                    ppl_windows=3, progress=False)
+                    ppl_windows=3, out_dir=tmp_path, stem="ppl", progress=False)
+    assert (tmp_path / "ppl.json").exists() and not (tmp_path / "ppl_predictions.jsonl").exists()
     windows = heldout_ids(tok, 3 * 45).view(3, 1, 45)
     for r in rows:
         each = [cache_perplexity(tiny_lm, build_method_cache(r["method"], tiny_lm), w, 40)["nll"] for w in windows]

@@ -201,8 +201,9 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     Perplexity: `ppl_tokens` scored after `ppl_context` tokens (default: the row's context length, 2048
     without one), in each of `ppl_windows` consecutive, disjoint windows of the held-out corpus, pooled
     over every scored token (one cache per window); 0 tokens skips it.
-    Files: with `out_dir`, writes <stem>.json/.csv/.md, <stem>_score_vs_kr.png and <stem>_predictions.jsonl
-    (the JSON at `json_path` instead when given). `extra` fields are copied into every row.
+    Files: with `out_dir`, writes <stem>.json/.csv/.md, <stem>_score_vs_kr.png and, when anything was
+    generated, <stem>_predictions.jsonl (the JSON at `json_path` instead when given). `extra` fields are
+    copied into every row.
     """
     from tqdm.auto import tqdm
 

@@ -119,10 +119,12 @@ def write_outputs(rows: Sequence[dict[str, Any]], *, out_dir: str | Path | None 
              "md": out_dir / f"{stem}.md",
              "plot": plot_score_vs_kr(rows, out_dir / f"{stem}_score_vs_kr.png")}
     paths["md"].write_text(markdown_table(rows), encoding="utf-8")
-    if records is not None:
-        p = out_dir / f"{stem}_predictions.jsonl"
+    p = out_dir / f"{stem}_predictions.jsonl"
+    if records:
         with open(p, "w", encoding="utf-8") as f:
             for rec in records:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         paths["predictions"] = p
+    elif records is not None and p.exists():
+        p.unlink()  # a perplexity-only run has no predictions: never leave an earlier run's beside its rows
     return paths
