@@ -97,7 +97,6 @@ from kernels.reconstruct import bytes_moved as recon_bytes  # noqa: E402
 from kernels.reconstruct import reconstruct_selected, rope_params  # noqa: E402
 from kernels.topk_l2 import bytes_read as topk_bytes  # noqa: E402
 from kernels.topk_l2 import topk_l2  # noqa: E402
-from kernels._common import use_triton  # noqa: E402
 from residualkv import config as rkv_config  # noqa: E402
 from residualkv.backbones import get_backbone  # noqa: E402
 from residualkv.cache import KiviStore, ResidualKVCache, ResidualStore  # noqa: E402
@@ -569,13 +568,10 @@ def synthetic_state(model_cfg, cfg: ResidualKVConfig, d_c, n, steps, B, dev, gen
 def library_cache(model, codec, cfg, layers_state, n, B, dev):
     """The library's own ResidualKVCache holding the same synthetic state, dispatching to its kernels as
     `from_model` sets it up on CUDA (fused reconstruction with RoPE, fused KIVI decode attention)."""
-    from residualkv.attention import FusedFullDecode
-
     H, D = model.config.num_key_value_heads, model.config.head_dim
     cache = ResidualKVCache(codec, cfg, num_layers=model.config.num_hidden_layers, num_kv_heads=H, head_dim=D,
                             rope=RopeTable.from_model(model))
-    if use_triton(cfg.kernel_impl, next(model.parameters())):
-        cache.fused_full = FusedFullDecode(cache)  # use_attention() installed residualkv's attention function
+    cache.attach_fused_full_decode(model)
     cache.rows.append(None, B, n, dev)
     for i, layer in enumerate(cache.layers):
         st = layers_state[i]

@@ -213,8 +213,8 @@ class ResidualStore:
                 C = self.codes.codes.shape[1]
                 sel = torch.arange(C, device=refs.device)[None].expand(B, C)
                 code_rope = None if rope is None else (rope[0][:, ~is_ref], rope[1][:, ~is_ref], rope[2])
-                out[:, ~is_ref] = self._reconstruct_kernel(sel, code_rope)
-                rotated = None if code_rope is None or not self._fuses_rope(rope[2]) else (~is_ref).expand(B, -1)
+                out[:, ~is_ref], fused = self._reconstruct_kernel(sel, code_rope)
+                rotated = (~is_ref).expand(B, -1) if fused else None
             else:
                 mean = mean_of_refs(refs, self.ref_idx.long())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
@@ -229,15 +229,16 @@ class ResidualStore:
         D = self.refs.shape[-1] // (2 * heads)
         return D % 2 == 0 and D <= 128
 
-    def _reconstruct_kernel(self, sel: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
-        """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> kv [B, n, 2·d_k] via the fused
-        gather + dequantise + W_d + mean-of-refs (+ RoPE) kernel. With `rope` (cos, sin [B, n, D] at the
-        selected codes, H heads) the keys come back rotated where the heads fit the kernel's tile;
-        otherwise pre-RoPE."""
+    def _reconstruct_kernel(self, sel: torch.Tensor, rope: Rope | None = None) -> tuple[torch.Tensor, bool]:
+        """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> (kv [B, n, 2·d_k], whether its
+        keys are rotated) via the fused gather + dequantise + W_d + mean-of-refs (+ RoPE) kernel. With `rope`
+        (cos, sin [B, n, D] at the selected codes, H heads) the keys come back rotated where the heads fit
+        the kernel's tile; otherwise pre-RoPE."""
         cfg = self.cfg
         half = self.refs.shape[-1] // 2
         n = sel.shape[1]
-        if rope is not None and self._fuses_rope(rope[2]):
+        fused = rope is not None and self._fuses_rope(rope[2])
+        if fused:
             cos, sin, heads = rope
         else:
             # with the identity rotation any split of the features into "heads" returns the same flat rows:
@@ -248,7 +249,7 @@ class ResidualStore:
         k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, cos, sin,
                                     bits=cfg.bits, group=cfg.group_size, num_kv_heads=heads, ref_format=cfg.ref_format,
                                     impl=cfg.kernel_impl)
-        return torch.cat([flat_heads(k), flat_heads(v)], dim=-1)
+        return torch.cat([flat_heads(k), flat_heads(v)], dim=-1), fused
 
     # ---- selective reads (OmniKV) and eviction (SnapKV), seed §2.7 ----
 
@@ -322,8 +323,9 @@ class ResidualStore:
                 sin = torch.zeros_like(cos)
                 cos[cb, rank[~is_ref]], sin[cb, rank[~is_ref]] = rope[0][~is_ref], rope[1][~is_ref]
                 code_rope = (cos, sin, rope[2])
-                rotated = ~is_ref if self._fuses_rope(rope[2]) else None
-            out[~is_ref] = self._reconstruct_kernel(sel, code_rope)[cb, rank[~is_ref]]
+            kv, fused = self._reconstruct_kernel(sel, code_rope)
+            out[~is_ref] = kv[cb, rank[~is_ref]]
+            rotated = ~is_ref if fused else None
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
             mean_idx = torch.where(ok, slot[cb[:, None].expand_as(idx), idx.clamp(min=0)], -1)
@@ -748,7 +750,7 @@ class ResidualKVCache(Cache):
                   else ResidualLayer(codec.layer(i), config, self.rows.schedule, rope) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.sparse = _controller(self)
-        self.fused_full = None  # residualkv.attention.FusedFullDecode, set by from_model where the kernel runs
+        self.fused_full = None  # residualkv.attention.FusedFullDecode, see attach_fused_full_decode (from_model calls it)
 
     @classmethod
     def from_model(cls, model, codec: ResidualCodec | None, config: ResidualKVConfig | None = None, **changes):
@@ -765,12 +767,17 @@ class ResidualKVCache(Cache):
         cache = cls(codec, config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                     rope=RopeTable.from_model(model))
         _install_if_sparse(model, config)
-        if config.full_attention_layers and _fused_full_decode_ok(model, config):
+        cache.attach_fused_full_decode(model)
+        return cache
+
+    def attach_fused_full_decode(self, model) -> None:
+        """Decode the full-attention (KIVI) layers on the fused kernel where it runs for `model` (its
+        device, plain softmax attention): installs residualkv's attention function on the model."""
+        if self.config.full_attention_layers and _fused_full_decode_ok(model, self.config):
             from .attention import FusedFullDecode, install
 
             install(model)
-            cache.fused_full = FusedFullDecode(cache)
-        return cache
+            self.fused_full = FusedFullDecode(self)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]

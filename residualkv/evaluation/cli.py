@@ -109,7 +109,8 @@ def cmd_eval(args) -> int:
     rows = evaluate(model, tok, methods, codec, cfg, samples=samples, suite=suite, tasks=tasks,
                     context_len=lengths if lengths is None or len(lengths) > 1 else lengths[0],
                     n_samples=args.n_samples, seed=args.seed, ppl_context=args.ppl_context,
-                    ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows, out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
+                    ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows,
+                    out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
                     json_path=json_path, progress=not args.no_progress,
                     extra={"backbone": args.backbone, "codec": str(codec_note) if codec_note else None,
                            "suite": args.tasks or suite, "seed": args.seed})
