@@ -8,6 +8,11 @@ Batching: a row's tokens are counted by their ordinal in that row (0 = first rea
 start at the same slot (the same amount of left padding) share one ordinal layout and are stored
 together as a `group`, so a padded row is stored and reconstructed exactly as it would be alone.
 Padding slots are not stored; they read back as zeros (the attention mask hides them).
+
+What attention reads: the history comes back reconstructed from the stored bytes; the tokens a forward
+call writes are read exact (`new_kv` "exact", as a serving engine's prefill attends over the fresh chunk
+and stores it compressed), or as stored (`new_kv` "reconstructed": codec training, where the whole
+sequence is one forward and L_ntp must see the codec).
 """
 
 from __future__ import annotations
@@ -439,7 +444,9 @@ class _RowStores:
 
 class KiviStore:
     """KIVI-style full-attention layer: keys quantised per channel over groups of tokens, values per
-    token; the newest tokens wait in an FP16 window until a whole group can be quantised."""
+    token; the newest tokens wait in an FP16 window until a whole group can be quantised. The window
+    is never emptied, so the token a step writes is read back exact (new_kv "exact") on every path,
+    the fused decode attention included, which reads only the stores."""
 
     def __init__(self, cfg: ResidualKVConfig):
         self.cfg = cfg
@@ -455,9 +462,9 @@ class KiviStore:
         self.win_v = _cat(self.win_v, v.detach().to(torch.float16), dim=2)
         self.n += k.shape[2]
         w = self.win_k.shape[2]
-        if w < cfg.full_window:
+        if w <= cfg.full_window:
             return
-        m = ((w - cfg.full_window) // g + 1) * g  # leaves between window-g and window-1 tokens in FP16
+        m = ((w - cfg.full_window - 1) // g + 1) * g  # leaves between window-g+1 and window tokens in FP16
         fk, fv = self.win_k[:, :, :m].float(), self.win_v[:, :, :m].float()
         self.win_k, self.win_v = self.win_k[:, :, m:].contiguous(), self.win_v[:, :, m:].contiguous()
         B, H, _, D = fk.shape
@@ -659,8 +666,11 @@ class ResidualLayer(_GroupedLayer):
         new = store.write(kv)
         if self.rec_terms is not None:
             self.rec_terms.append((new - kv).pow(2).sum())
-        k_hat, v_hat = _unflat(new, H, D)
-        k_hat = apply_rope(k_hat, cos[:, -T:], sin[:, -T:])
+        if self.cfg.new_kv == "exact":
+            k_hat, v_hat = k, v
+        else:
+            k_hat, v_hat = _unflat(new, H, D)
+            k_hat = apply_rope(k_hat, cos[:, -T:], sin[:, -T:])
         if history is not None:
             k_hat, v_hat = torch.cat([history[0], k_hat], dim=2), torch.cat([history[1], v_hat], dim=2)
         return k_hat.to(k.dtype), v_hat.to(v.dtype)
@@ -682,9 +692,14 @@ class KiviLayer(_GroupedLayer):
             raise ValueError("full-attention (KIVI) layers always read their whole history")
         store.write(k, v)
         hk, hv = store.read(k.dtype)
+        T = k.shape[2]
+        if self.cfg.new_kv == "exact":
+            # at the FP16 window's precision (bit-exact for fp16/bf16 models): what the fused decode
+            # attention reads for a step's token, which sits in the window
+            k, v = k.to(torch.float16).to(k.dtype), v.to(torch.float16).to(v.dtype)
+            return torch.cat([hk[:, :, :-T], k], dim=2), torch.cat([hv[:, :, :-T], v], dim=2)
         # the newest tokens' stored values, with a straight-through gradient so training sees the
         # quantisation but still reaches earlier layers' codecs through these keys and values
-        T = k.shape[2]
         hk = torch.cat([hk[:, :, :-T], k + (hk[:, :, -T:] - k).detach()], dim=2)
         hv = torch.cat([hv[:, :, :-T], v + (hv[:, :, -T:] - v).detach()], dim=2)
         return hk, hv
@@ -803,7 +818,7 @@ class ResidualKVCache(Cache):
         if self.fused_full is not None:
             self.fused_full = type(self.fused_full)(self)
 
-    READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool")
+    READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool", "new_kv")
 
     def fork(self, **changes) -> "ResidualKVCache":
         """An independent copy of the stored tokens that reads them under other read settings (`mode`

@@ -14,6 +14,7 @@ from typing import Any
 SUPPORTED_BITS = (2, 4, 8)
 REF_FORMATS = ("fp8", "fp16")
 MODES = ("standalone", "omnikv", "snapkv")
+NEW_KV = ("exact", "reconstructed")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 
 
@@ -55,6 +56,12 @@ class ResidualKVConfig:
     select_pool: int = 1  # max-pool width over token scores (authors' pool_kernel_size, 1 = none)
     snapkv_window: int = 32  # SnapKV observation window: the last prompt tokens whose queries vote
     snapkv_pool: int = 5  # SnapKV average-pool width over the votes (as residualkv.snapkv / kvpress)
+    # what attention reads for the tokens a forward call writes (a prompt in prefill, the new token in
+    # decode): "exact", their own keys and values, as a serving engine's prefill attends over the fresh
+    # chunk and only stores it compressed (the authors' runtime), so only history comes back
+    # reconstructed; "reconstructed", what the cache stores for them, so one teacher-forced forward
+    # attends over reconstructions everywhere (codec training: L_ntp must see the codec)
+    new_kv: str = "exact"
     # which implementation runs the hot paths (top-k retrieval, quantise-and-pack, code reconstruction):
     # "auto" = the Triton kernels of `kernels/` on CUDA tensors, the torch code elsewhere; "torch" always
     # the torch code; "triton" always the kernels (on CPU only under TRITON_INTERPRET=1, for tests)
@@ -72,9 +79,11 @@ class ResidualKVConfig:
         for name in ("group_size", "full_group_size"):
             g = getattr(self, name)
             _check(g >= 8 and g % 8 == 0, name, g, "use a positive multiple of 8 (paper default 32) so groups pack into whole bytes")
-        _check(self.full_window >= 0, "full_window", self.full_window, "use 0 or more FP16 recent tokens")
+        _check(self.full_window >= self.full_group_size, "full_window", self.full_window,
+               f"hold at least one quantisation group (full_group_size={self.full_group_size}) of FP16 recent tokens")
         _check(self.kernel_impl in KERNEL_IMPLS, "kernel_impl", self.kernel_impl, f"choose one of {KERNEL_IMPLS}")
         _check(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
+        _check(self.new_kv in NEW_KV, "new_kv", self.new_kv, f"choose one of {NEW_KV}")
         _check(self.select_budget >= 0, "select_budget", self.select_budget, "use 0 or more tokens (authors' default 2048)")
         _check(self.select_ratio is None or 0.0 <= self.select_ratio <= 1.0, "select_ratio", self.select_ratio,
                "use None (token budget) or a fraction of the history in [0, 1]")

@@ -104,7 +104,7 @@ def test_every_token_is_stored_compressed_while_decoding(tiny_model):
             assert store.codes.codes.shape[:2] == (2, n - n_refs) and store.codes.codes.dtype == torch.uint8
             assert store.ref_idx.shape == (2, n - n_refs, cfg.k) and store.ref_idx.dtype == torch.int16
         else:
-            assert store.kq.codes.dtype == torch.uint8 and store.win_k.shape[2] == n % 32
+            assert store.kq.codes.dtype == torch.uint8 and store.win_k.shape[2] == (n - 1) % 32 + 1
 
 
 def test_write_returns_exactly_what_reads_decode(tiny_model):
@@ -118,8 +118,36 @@ def test_write_returns_exactly_what_reads_decode(tiny_model):
     torch.testing.assert_close(store.read(), torch.cat([first, second], 1), rtol=0, atol=0)
 
 
-def test_codec_gets_gradients_through_the_cache(tiny_model):
+def test_prefill_attends_over_exact_kv_and_decode_over_the_stored_history(tiny_model):
+    """new_kv "exact" (the default): a forward call's own tokens are read exact, as a serving engine's
+    prefill attends over the fresh chunk, so prefill logits are the full cache's to the last bit while
+    the history of later steps comes back from the compressed bytes; "reconstructed" (training) reads
+    the stored values for them too."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)  # KIVI windows hold FP16: bf16 fits them exactly
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(5))
     cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
+    codec = _codec(model, cfg)
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=True)
+        exact = ResidualKVCache.from_model(model, codec, cfg)
+        out = model(input_ids=ids, cache=exact, use_cache=True)
+        assert torch.equal(out.logits, full.logits)
+        recon = ResidualKVCache.from_model(model, codec, cfg.replace(new_kv="reconstructed"))
+        assert not torch.allclose(model(input_ids=ids, cache=recon, use_cache=True).logits, full.logits, atol=1e-2)
+        assert [l.nbytes() for l in exact.layers] == [l.nbytes() for l in recon.layers]  # the same bytes stored
+        # the next step reads its history from the stored bytes: no longer the full cache's result
+        nxt = ids[:, -1:]
+        step_full = model(input_ids=nxt, past_key_values=full.past_key_values, use_cache=True).logits
+        step = model(input_ids=nxt, cache=exact, use_cache=True).logits
+        assert not torch.allclose(step, step_full, atol=1e-2)
+    with pytest.raises(Exception, match="new_kv"):
+        cfg.replace(new_kv="approximate")
+
+
+def test_codec_gets_gradients_through_the_cache(tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2, new_kv="reconstructed")
     codec = _codec(tiny_model, cfg)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(4))
     out = tiny_model(input_ids=ids, cache=ResidualKVCache.from_model(tiny_model, codec, cfg), use_cache=True)

@@ -178,10 +178,11 @@ def test_sparse_layers_reconstruct_only_the_selection(model, codec):
     assert rep["cr_per_layer"][2] == pytest.approx(20 * 5 / sum(200 + t for t in range(5)))
     assert rep["cr"] == pytest.approx(rep["cr_formula"])
     assert len(rep["tokens_reconstructed_per_step"]) == 5
-    # standalone reconstructs the whole history on every compressed layer
+    # standalone reconstructs the whole history on every compressed layer (0, 2 and 3); the sparse path
+    # all of it only at layer 0, before the filter layer, and at most 20 codes + their refs at 2 and 3
     full = _cache(model, codec)
     _generate(model, _ids(200, seed=2), full, n=6)
-    assert min(accounting.report(full)["tokens_reconstructed_per_step"]) > 2 * max(rep["tokens_reconstructed_per_step"])
+    assert min(accounting.report(full)["tokens_reconstructed_per_step"]) > 1.5 * max(rep["tokens_reconstructed_per_step"])
 
 
 def test_cr_matches_beta_plus_one_minus_beta_r(model, codec):
