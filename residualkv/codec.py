@@ -145,6 +145,15 @@ class ResidualCodec(nn.Module):
             codec.check_compatible(model_config)
         return codec
 
+    def weights_digest(self) -> str:
+        """sha256 over the weights (names, dtypes, shapes, bytes): the same digest wherever they came from."""
+        h = hashlib.sha256()
+        for name, t in self.state_dict().items():
+            t = t.detach().contiguous().cpu()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
     def check_compatible(self, model_config) -> None:
         from .backbones import fingerprint
 

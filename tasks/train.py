@@ -20,7 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from residualkv.backbones import fingerprint, fingerprint_hash, load_backbone
-from residualkv.cli import base_config, codecs_dir
+from residualkv.cli import base_config, codecs_dir, resolve_codec
 from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training import TrainConfig
@@ -38,10 +38,11 @@ PIPELINE_KEYS = ("bits", "d_c", "d_ff", "retries", "torch_threads", "launch")
 NOT_IN_KEY = ("log_every", "minutes")
 
 
-def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    cache_config = base_config(spec)
+def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
+                  start: ResidualCodec | None = None) -> dict[str, Any]:
+    cache_config = start.config if start is not None else base_config(spec)
     bits = config.get("bits") or cache_config.bits
-    codec_defaults = spec.codec if spec else {}
+    codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff} if start is not None else spec.codec if spec else {}
     d_c, d_ff = config.get("d_c") or codec_defaults.get("d_c"), config.get("d_ff") or codec_defaults.get("d_ff")
     if not d_c or not d_ff:
         raise ValueError(f"{spec.name if spec else 'this backbone'}: set train.d_c and train.d_ff in the profile")
@@ -55,6 +56,8 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any]) -
         # the trainer and the codec define what is learned; library edits elsewhere (cache layouts,
         # sparse attention) do not invalidate hours of training (measurements re-run on those instead)
         "code": source_hash("residualkv.training", "residualkv.codec", "tasks.train"),
+        # init: codec: the weights it starts from (a registry alias moves; its weights say what was used)
+        "start": start.weights_digest() if start is not None else None,
     }
 
 
@@ -104,7 +107,11 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     config = dict(config) | {"seq_len": packed["seq_len"]}
     set_threads(config.get("torch_threads"))
     model, tokenizer, spec = load_backbone(backbone_ref)  # a private copy: training freezes/wraps it
-    payload = train_payload(model, spec, packed, config)
+    train_cfg = TrainConfig(**{k: v for k, v in config.items() if k not in PIPELINE_KEYS})  # bad settings fail here
+    start = None
+    if train_cfg.init == "codec":  # go on from a saved codec (a folder or models:/NAME@ALIAS)
+        start = resolve_codec(config.get("init_from"), model, spec)
+    payload = train_payload(model, spec, packed, config, start)
     folder = Path(_rank_of) if _rank_of else codecs_dir(payload["backbone"] or "unnamed") / f"pipeline-{step_key(payload)}"
     if use_cache and (done := _finished(folder)) is not None:
         say(f"training: reusing the finished run in {folder} ({done['steps']} steps)")
@@ -115,9 +122,8 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     if config.get("launch") and not _rank_of:  # scale-out: the same training under `accelerate launch` (DDP over processes/machines)
         return _launched(backbone_ref, packed, config, folder, run_id)
     cache_config = ResidualKVConfig.from_dict(payload["cache_config"])
-    codec = ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
-                                    backbone=payload["backbone"], seed=int(config.get("seed", 0)))
-    train_cfg = TrainConfig(**{k: v for k, v in config.items() if k not in PIPELINE_KEYS})
+    codec = start or ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
+                                             backbone=payload["backbone"], seed=int(config.get("seed", 0)))
     data = packed_data(backbone_ref, {"source": packed["source"], "seq_len": packed["seq_len"]})
     if data.meta["fingerprint"] != packed["fingerprint"]:
         raise ValueError(f"the packed data changed under this run ({data.meta['fingerprint']} != {packed['fingerprint']})")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from registry import env as rkv_env
@@ -222,6 +223,34 @@ def test_training_task_resumes_after_sigkill(smoke, tmp_path, monkeypatch):
     assert {s for s in logged_before if s <= saved[-1]} <= set(history)
     assert min(s for s in history[len(lines_before):]) == saved[-1] + 1  # picked up right after the checkpoint
     assert run_train(ref, packed, config, progress=False)["cached"] is True  # and a third call reuses it
+
+
+def test_training_task_goes_on_from_a_saved_codec(smoke, monkeypatch):
+    """init: codec + init_from: a run keyed by the starting weights, starting from them."""
+    from residualkv.codec import ResidualCodec
+    from residualkv.training import TrainError
+    from tasks.backbones import resolve_backbone
+    from tasks.data import pack_data
+    from tasks.train import run_train
+
+    monkeypatch.setenv("RKV_DATA_DIR", str(smoke["data"]))
+    prof = yaml.safe_load(smoke["profile"].read_text())
+    ref = resolve_backbone(prof["backbones"][0])
+    packed = pack_data.fn(ref, prof["data"])
+    config = prof["train"] | {"steps": 2, "log_every": 1, "eval_blocks": 0, "seed": 11}
+    first = run_train(ref, packed, config, progress=False)
+    start = ResidualCodec.load(first["codec_dir"])
+    # a vanishing LR: the continued codec is the one it started from
+    more = run_train(ref, packed, config | {"init": "codec", "init_from": first["codec_dir"], "lr": 1e-12},
+                     progress=False)
+    assert more["run_dir"] != first["run_dir"] and not more["cached"]
+    assert json.loads((Path(more["run_dir"]) / "inputs.json").read_text())["start"] == start.weights_digest()
+    cont = ResidualCodec.load(more["codec_dir"])
+    assert cont.extra["training"]["init_from"] == first["codec_dir"] and cont.dims == start.dims
+    for (name, a), b in zip(start.state_dict().items(), cont.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    with pytest.raises(TrainError, match="init_from"):
+        run_train(ref, packed, config | {"init": "codec"}, progress=False)
 
 
 def _seed_of(ckpt: Path) -> int | None:

@@ -1,6 +1,7 @@
 """Codec training on a tiny random Llama: the loss, where gradients go, checkpoints, SIGKILL + resume, the CLI."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,9 +17,9 @@ from transformers import LlamaForCausalLM
 from residualkv.cache import ResidualKVCache
 from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
-from residualkv.training.packing import LocalSource, pack_documents
+from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
 from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, enable_mlp_checkpointing,
-                                         freeze_backbone, linear_warmup_decay, train_codec)
+                                         freeze_backbone, heldout_metrics, linear_warmup_decay, train_codec)
 
 from .conftest import tiny_llama_config
 from .test_packing import tiny_tokenizer, write_corpus
@@ -278,6 +279,77 @@ def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
     # the same command again finds the finished run instead of starting over
     assert cli.main(argv) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed_from"] == 3
+
+
+def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, capsys):
+    from residualkv import cli
+
+    folder = tmp_path / "tiny-llama"
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    corpus = write_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "rkv-data"))
+    common = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--eval-blocks", "0",
+              "--json"]
+    assert cli.main(common + ["--steps", "3", "--d-c", "32", "--d-ff", "48", "--stride", "5", "--lr", "1e-2"]) == 0
+    start = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
+    # a step at a vanishing LR: the result is the codec it started from (shape, stride and weights)
+    assert cli.main(common + ["--steps", "1", "--lr", "1e-12", "--init-from", str(start), "--recall-spans", "2",
+                              "--recall-span-len", "8"]) == 0
+    out = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
+    assert f"-recall2x8-from-{start.parent.name[:40]}" in out.parent.name  # its own run, never the start's
+    a, b = ResidualCodec.load(start), ResidualCodec.load(out)
+    assert (b.dims.d_c, b.dims.d_ff, b.config.stride) == (32, 48, 5)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
+    training = b.extra["training"]
+    assert training["init"] == "codec" and training["init_from"] == str(start) and training["recall_spans"] == 2
+    with pytest.raises(SystemExit, match="--d-c 16 but the codec .* has d_c 32"):
+        cli.main(common + ["--steps", "1", "--init-from", str(start), "--d-c", "16"])
+    with pytest.raises(SystemExit, match="--init fisher-pca and --init-from"):
+        cli.main(common + ["--steps", "1", "--init-from", str(start), "--init", "fisher-pca"])
+
+
+def test_recall_spans_copy_earlier_text_and_mark_what_needs_it():
+    ids = torch.arange(200).reshape(2, 100)  # every token distinct, so a copy shows where it came from
+    out, mask = insert_recalls(ids, 3, 10, torch.Generator().manual_seed(0))
+    assert torch.equal(out[:, :50], ids[:, :50])  # sources stay as they were
+    for b in range(2):
+        starts = [d for d in range(50, 100, 10) if not torch.equal(out[b, d:d + 10], ids[b, d:d + 10])]
+        assert len(starts) == 3 and mask[b].sum() == 3 * 9
+        for d in starts:
+            src = int(out[b, d]) - 100 * b
+            assert 0 <= src <= 40 and torch.equal(out[b, d:d + 10], ids[b, src:src + 10])
+            assert not mask[b, d] and mask[b, d + 1:d + 10].all()  # the first copied token is not predictable
+    again, _ = insert_recalls(ids, 3, 10, torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+    with pytest.raises(DataError, match="6 recall spans of 10 tokens do not fit"):
+        insert_recalls(ids, 6, 10, torch.Generator())
+    with pytest.raises(TrainError, match="recall_spans=5.*0 to 4 spans"):
+        TrainConfig(steps=1, seq_len=64, recall_spans=5, recall_span_len=8)
+
+
+def test_recall_training_is_reproducible_and_differs_from_plain_text(tmp_path, packed):
+    model = tiny_model()
+    runs = {}
+    for name, spans in (("a", 2), ("b", 2), ("plain", 0)):
+        result = train_codec(model, tiny_codec(model), packed.train, tmp_path / name,
+                             fast(steps=3, recall_spans=spans, recall_span_len=8), progress=False)
+        runs[name] = ResidualCodec.load(result.codec_path).state_dict()
+    assert all(torch.equal(runs["a"][k], runs["b"][k]) for k in runs["a"])
+    assert not all(torch.equal(runs["a"][k], runs["plain"][k]) for k in runs["a"])
+
+
+def test_heldout_metrics_score_text_and_the_recall_probe(packed):
+    model = tiny_model()
+    codec = tiny_codec(model)
+    blocks = torch.randint(0, model.config.vocab_size, (2, 192), generator=torch.Generator().manual_seed(0))
+    m = heldout_metrics(model, codec, blocks)
+    assert m["eval/blocks"] == 2
+    assert m["eval/ppl_ratio"] == pytest.approx(math.exp(m["eval/ntp_codec"] - m["eval/ntp_full"]))
+    assert m["eval/recall_ppl_ratio"] == pytest.approx(math.exp(m["eval/recall_nll_codec"] - m["eval/recall_nll_full"]))
+    # without a probe that fits, only the text metrics
+    assert "eval/recall_nll_full" not in heldout_metrics(model, codec, blocks[:, :100])
 
 
 def test_rec_warmstart_fits_captured_kv_before_joint_training(tmp_path, packed):

@@ -57,6 +57,13 @@ def register(subparsers) -> None:
     t.add_argument("--stride", type=int, default=None,
                    help="reference stride (default: the backbone YAML's); saved with the codec, which is always "
                         "served with the stride it was trained for")
+    t.add_argument("--init-from", default=None, metavar="CODEC_DIR",
+                   help="start from the weights of a saved codec (e.g. an earlier run's <run dir>/codec) instead "
+                        "of a fresh init; its shape and stride are kept")
+    t.add_argument("--recall-spans", type=int, default=0,
+                   help="copies of earlier text written into the second half of each training block, so the "
+                        "next-token loss also asks for exact look-ups far back in the cache (0: plain text)")
+    t.add_argument("--recall-span-len", type=int, default=24, help="tokens per recall span")
     t.add_argument("--out", default=None, help="run directory (default: <data>/codecs/<backbone>/<run-name>)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--bf16", action="store_true", help="bf16 autocast (accelerate mixed precision)")
@@ -80,6 +87,11 @@ def run_name(args, source_name: str) -> str:
     for flag in ("d_c", "d_ff", "stride"):
         if getattr(args, flag, None):
             name += f"-{flag.replace('_', '')}{getattr(args, flag)}"
+    if getattr(args, "recall_spans", 0):
+        name += f"-recall{args.recall_spans}x{args.recall_span_len}"
+    if getattr(args, "init_from", None):
+        start = Path(args.init_from)
+        name += "-from-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", (start.parent if start.name == "codec" else start).name)[:40]
     if source_name != "offline":
         name += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(source_name).name)[:40]
     return name
@@ -87,7 +99,7 @@ def run_name(args, source_name: str) -> str:
 
 def cmd_train(args) -> int:
     from ..backbones import load_backbone
-    from ..cli import base_config, codecs_dir
+    from ..cli import base_config, codecs_dir, resolve_codec
     from ..codec import ResidualCodec
 
     if args.threads:
@@ -95,11 +107,23 @@ def cmd_train(args) -> int:
     model, tokenizer, spec = load_backbone(args.backbone)
     backbone = spec.name if spec else re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.backbone)).name)
     codec_defaults = spec.codec if spec else {}
+    start = None
+    if args.init_from:
+        if args.init != "default":
+            raise SystemExit(f"--init {args.init} and --init-from start the codec two ways; pass one of them")
+        start = resolve_codec(args.init_from, model, spec)
+        for flag, have in (("d_c", start.dims.d_c), ("d_ff", start.dims.d_ff), ("stride", start.config.stride),
+                           ("bits", start.config.bits)):
+            if getattr(args, flag) not in (None, have):
+                raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)} but the codec in {args.init_from} "
+                                 f"has {flag} {have}; drop the flag (a codec keeps its shape) or train a fresh one")
+        codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff}
+        args.init = "codec"
     d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")
     if not d_c or not d_ff:
         raise SystemExit(f"{args.backbone} is not a registered backbone: pass the codec size with --d-c and --d-ff "
                          "(e.g. d_c = 2*d_k/4 and d_ff = 3*2*d_k, as in configs/backbones/smollm2-135m.yaml)")
-    cache_config = base_config(spec)
+    cache_config = start.config if start is not None else base_config(spec)
     args.bits = args.bits or cache_config.bits
     cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}))
 
@@ -107,7 +131,8 @@ def cmd_train(args) -> int:
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
                          rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
                          warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
-                         fisher_alpha=args.fisher_alpha,
+                         fisher_alpha=args.fisher_alpha, recall_spans=args.recall_spans,
+                         recall_span_len=args.recall_span_len, init_from=args.init_from,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
                          ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
     source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,
@@ -120,7 +145,8 @@ def cmd_train(args) -> int:
     if args.restart and (out / CHECKPOINTS).exists():
         shutil.rmtree(out / CHECKPOINTS)
     out.mkdir(parents=True, exist_ok=True)
-    codec = ResidualCodec.for_model(model.config, cache_config, d_c=d_c, d_ff=d_ff, backbone=backbone, seed=args.seed)
+    codec = start if start is not None else ResidualCodec.for_model(model.config, cache_config, d_c=d_c, d_ff=d_ff,
+                                                                     backbone=backbone, seed=args.seed)
     metrics_file = out / "metrics.jsonl"
 
     def log_metrics(step: int, metrics: dict) -> None:  # the pipeline swaps this for MLflow

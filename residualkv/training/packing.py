@@ -311,3 +311,31 @@ def _load(folder: Path) -> PackedData:
 
 __all__ = ["DataError", "OfflineSource", "LocalSource", "HubSource", "PackedData", "resolve_source",
            "pack_documents", "tokenizer_fingerprint"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recall spans: copies of earlier text written into a block, so next-token prediction on the copy
+# depends on reading exact keys and values far back in the cache (what retrieval tasks need).
+
+
+def insert_recalls(ids, spans: int, span_len: int, generator) -> tuple[Any, Any]:
+    """Overwrite `spans` slots of `span_len` tokens in the second half of each row of `ids` (B, T) with
+    copies of random spans from its first half. Returns the new ids and a (B, T) mask of the tokens a
+    model can only predict by recall (every copied token but the first of each span)."""
+    import torch
+
+    B, T = ids.shape
+    half = T // 2
+    slots = (T - half) // span_len
+    if spans < 1 or span_len < 2 or spans > slots or half < span_len:
+        raise DataError(f"{spans} recall spans of {span_len} tokens do not fit in blocks of {T} tokens; "
+                        "use fewer or shorter spans (they fill at most the second half of a block)")
+    out, mask = ids.clone(), torch.zeros_like(ids, dtype=torch.bool)
+    for b in range(B):
+        for slot in torch.randperm(slots, generator=generator)[:spans].tolist():
+            dst = half + slot * span_len
+            src = int(torch.randint(0, half - span_len + 1, (1,), generator=generator))
+            out[b, dst:dst + span_len] = ids[b, src:src + span_len]
+            mask[b, dst + 1:dst + span_len] = True
+    return out, mask
+

@@ -42,16 +42,20 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
+from .packing import insert_recalls
 
 LOSSES = ("rec+ntp", "rec", "ntp")
-INITS = ("default", "zero-decoder", "rec-warmstart", "fisher-pca")
+INITS = ("default", "zero-decoder", "rec-warmstart", "fisher-pca", "codec")
 REC_REDUCTIONS = ("sum", "mean")
 CHECKPOINTS = "checkpoints"
 CODEC = "codec"
 STATE = "trainer_state.json"
 # Config fields a resumed run must share with the run it continues (the rest may change between runs).
 RESUME_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_frac", "weight_decay", "loss",
-                 "rec_reduction", "rec_weight", "seed", "init")
+                 "rec_reduction", "rec_weight", "seed", "init", "recall_spans", "recall_span_len")
+# Held-out recall probe (evaluate): copies of earlier text in each block, scored only where predicting
+# them needs the copied source; fixed so that codecs trained any way are compared on the same probe.
+EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN = 4, 24
 
 
 class TrainError(ValueError):
@@ -74,7 +78,8 @@ class TrainConfig:
     rec_weight: float = 1.0
     init: str = "default"  # "default" (nn.Linear init), "zero-decoder" (start at kv_hat = mean_ref) or
     # "rec-warmstart" (fit L_rec on captured true KV first) or "fisher-pca" (closed-form Fisher-weighted
-    # decoder, encoder regressed onto it), see warmstart.py
+    # decoder, encoder regressed onto it), see warmstart.py, or "codec" (go on from the weights of the codec
+    # passed in, e.g. an earlier run's: `rkv train --init-from DIR`)
     warmstart_steps: int = 500  # rec-warmstart: optimizer steps; fisher-pca: encoder-fit steps per layer
     warmstart_blocks: int = 32
     fisher_alpha: float = 0.1  # fisher-pca: weight of the plain (unweighted) metric mixed into the Fisher
@@ -85,6 +90,10 @@ class TrainConfig:
     ckpt_every: int = 50
     keep_checkpoints: int = 2
     eval_blocks: int = 8  # held-out blocks scored at the end (0: none)
+    # recall spans per training block (packing.insert_recalls; 0: the text as packed) and their length
+    recall_spans: int = 0
+    recall_span_len: int = 24
+    init_from: str | None = None  # init "codec": where the starting codec came from (recorded, not read)
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 2, "seq_len", self.seq_len, "use at least 2 tokens per sequence")
@@ -104,9 +113,20 @@ class TrainConfig:
                "use at least one warm-start step and block")
         _check(0 <= self.fisher_alpha <= 1, "fisher_alpha", self.fisher_alpha, "use a weight in [0, 1] (default 0.1)")
         _check(self.eval_blocks >= 0, "eval_blocks", self.eval_blocks, "use 0 or more held-out blocks")
+        _check((self.init == "codec") == bool(self.init_from), "init_from", self.init_from,
+               "init 'codec' goes on from a saved codec: give both init: codec and init_from: DIR_OR_URI, or neither")
+        _check(self.recall_span_len >= 2, "recall_span_len", self.recall_span_len, "use spans of 2 or more tokens")
+        slots = (self.seq_len - self.seq_len // 2) // self.recall_span_len
+        _check(0 <= self.recall_spans <= slots and (self.recall_spans == 0 or self.seq_len // 2 >= self.recall_span_len),
+               "recall_spans", self.recall_spans,
+               f"use 0 to {slots} spans of {self.recall_span_len} tokens (they fill at most the second half of a "
+               f"{self.seq_len}-token block), or a shorter --recall-span-len")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 def _check(ok: bool, name: str, value: Any, fix: str) -> None:
@@ -124,8 +144,9 @@ class CodecObjective(nn.Module):
         super().__init__()
         self.model, self.codec = model, codec
         self.loss_kind, self.rec_reduction, self.rec_weight = config.loss, config.rec_reduction, config.rec_weight
-        # training reconstructs every token (the paper trains the codec standalone, whatever mode serves it)
-        self.cache_config = codec.config.replace(mode="standalone")
+        # training reconstructs every token (the paper trains the codec standalone, whatever mode serves
+        # it), the sequence's own tokens included: one forward then attends over reconstructions only
+        self.cache_config = codec.config.replace(mode="standalone", new_kv="reconstructed")
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         cache = ResidualKVCache.from_model(self.model, self.codec, self.cache_config)
@@ -431,6 +452,13 @@ class CodecTrainer:
                            stopped_early=stopped_early, metrics=metrics)
 
     def _micro_step(self, input_ids: torch.Tensor) -> dict[str, float]:
+        cfg = self.config
+        if cfg.recall_spans:
+            # seeded by the data position, so a resumed run writes the same copies into the same blocks
+            g = torch.Generator().manual_seed(
+                hash((cfg.seed, self.state.epoch, self.state.micro_in_epoch, self.accelerator.process_index)) % 2**62)
+            ids, _ = insert_recalls(input_ids.cpu(), cfg.recall_spans, cfg.recall_span_len, g)
+            input_ids = ids.to(input_ids.device)
         with self.accelerator.accumulate(self.objective):
             out = self.objective(input_ids)
             self.accelerator.backward(out["loss"])
@@ -462,23 +490,15 @@ class CodecTrainer:
 
     # ---- evaluation -----------------------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Next-token loss on held-out blocks with the full cache and with this codec's compressed cache."""
+        """Held-out metrics of the trained codec (heldout_metrics)."""
         n = min(self.config.eval_blocks, len(self.heldout_data) if self.heldout_data is not None else 0)
         if n == 0:
             return {}
         objective = self.accelerator.unwrap_model(self.objective)
-        model, codec = objective.model, objective.codec
-        full, rkv = [], []
-        for row in self.heldout_data.select(range(n)).with_format("torch", columns=["input_ids"]):
-            ids = row["input_ids"][None].to(self.accelerator.device)
-            with self.accelerator.autocast():
-                full.append(float(model(input_ids=ids, labels=ids).loss))
-                cache = ResidualKVCache.from_model(model, codec, objective.cache_config)
-                rkv.append(float(model(input_ids=ids, cache=cache, use_cache=True, labels=ids).loss))
-        f, r = sum(full) / n, sum(rkv) / n
-        return {"eval/ntp_full": f, "eval/ntp_codec": r, "eval/ppl_ratio": math.exp(r - f), "eval/blocks": n}
+        blocks = torch.tensor(self.heldout_data.select(range(n))["input_ids"])
+        with self.accelerator.autocast():
+            return heldout_metrics(objective.model, objective.codec, blocks.to(self.accelerator.device))
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
@@ -527,7 +547,8 @@ class CodecTrainer:
     def _load_state(self, ckpt: Path) -> None:
         saved = json.loads((ckpt / STATE).read_text())
         for name in RESUME_FIELDS:
-            ours, theirs = getattr(self.config, name), saved["config"].get(name)
+            # a field an older checkpoint lacks had its default then
+            ours, theirs = getattr(self.config, name), saved["config"].get(name, _DEFAULTS.get(name))
             if ours != theirs:
                 raise TrainError(f"{name}={ours!r} but the run in {self.out_dir} used {theirs!r}; pass the same value "
                                  "to resume it, or use a new --out (or --restart) to start over")
@@ -570,7 +591,8 @@ class CodecTrainer:
             "train_seconds": round(st.train_seconds, 1), "loss": cfg.loss, "rec_reduction": cfg.rec_reduction,
             "rec_weight": cfg.rec_weight, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "grad_accum": cfg.grad_accum, "lr": cfg.lr, "seed": cfg.seed, "bits": self.codec.config.bits,
-            "init": cfg.init, "bf16": cfg.bf16, "data": self.data_info,
+            "init": cfg.init, "init_from": cfg.init_from, "recall_spans": cfg.recall_spans,
+            "recall_span_len": cfg.recall_span_len, "bf16": cfg.bf16, "data": self.data_info,
             "loss_first": avg(hist[:3]), "loss_last": avg(hist[-3:]),
             "loss_history": [[round(v, 6) for v in row] for row in hist[::stride]],
             "eval": metrics,
@@ -579,6 +601,41 @@ class CodecTrainer:
     def _say(self, message: str) -> None:
         if self.accelerator.is_main_process:
             print(f"[rkv train] {message}", flush=True)
+
+
+@torch.no_grad()
+def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor) -> dict[str, float]:
+    """Next-token loss of held-out `blocks` (N, T) with the full cache and through the codec's compressed
+    cache (standalone: every token reconstructed), and the same on a recall probe: each block with
+    EVAL_RECALL_SPANS copies of its own earlier text, scored only on the tokens that need the copy's source
+    (the text metric says whether the codec keeps language modelling, the recall one whether it keeps the
+    exact look-ups that retrieval tasks make)."""
+    config = codec.config.replace(mode="standalone", new_kv="reconstructed")  # teacher-forced, as trained
+
+    def nll(ids: torch.Tensor, compressed: bool) -> torch.Tensor:  # per predicted token, (T-1,)
+        kw = {"cache": ResidualKVCache.from_model(model, codec, config), "use_cache": True} if compressed else {}
+        logits = model(input_ids=ids[None], **kw).logits[0, :-1].float()
+        return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+
+    n, T = blocks.shape
+    g = torch.Generator().manual_seed(0)
+    probe = T // 2 >= EVAL_RECALL_SPANS * EVAL_RECALL_SPAN_LEN
+    sums = dict.fromkeys(("full", "codec", "recall_full", "recall_codec"), 0.0)
+    for ids in blocks:
+        sums["full"] += float(nll(ids, False).mean())
+        sums["codec"] += float(nll(ids, True).mean())
+        if probe:
+            copied, mask = insert_recalls(ids[None].cpu(), EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN, g)
+            copied, mask = copied[0].to(ids.device), mask[0, 1:].to(ids.device)
+            sums["recall_full"] += float(nll(copied, False)[mask].mean())
+            sums["recall_codec"] += float(nll(copied, True)[mask].mean())
+    m = {k: v / n for k, v in sums.items()}
+    out = {"eval/ntp_full": m["full"], "eval/ntp_codec": m["codec"], "eval/ppl_ratio": math.exp(m["codec"] - m["full"]),
+           "eval/blocks": n}
+    if probe:
+        out |= {"eval/recall_nll_full": m["recall_full"], "eval/recall_nll_codec": m["recall_codec"],
+                "eval/recall_ppl_ratio": math.exp(m["recall_codec"] - m["recall_full"])}
+    return out
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -608,4 +665,4 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
-           "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "heldout_metrics", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
