@@ -259,14 +259,19 @@ def test_sigkill_then_resume_finishes_the_run(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
-    from residualkv import cli
-
+def _cli_backbone_and_corpus(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A tiny saved backbone and a corpus for `rkv train`, with the data dir under tmp_path."""
     folder = tmp_path / "tiny-llama"
     tiny_model().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    corpus = write_corpus(tmp_path / "corpus")
     monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "rkv-data"))
+    return folder, write_corpus(tmp_path / "corpus")
+
+
+def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
+    from residualkv import cli
+
+    folder, corpus = _cli_backbone_and_corpus(tmp_path, monkeypatch)
     argv = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--steps", "3",
             "--d-c", "32", "--d-ff", "48", "--eval-blocks", "1", "--json"]
     assert cli.main(argv) == 0
@@ -284,11 +289,7 @@ def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
 def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, capsys):
     from residualkv import cli
 
-    folder = tmp_path / "tiny-llama"
-    tiny_model().save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    corpus = write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "rkv-data"))
+    folder, corpus = _cli_backbone_and_corpus(tmp_path, monkeypatch)
     common = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--eval-blocks", "0",
               "--json"]
     assert cli.main(common + ["--steps", "3", "--d-c", "32", "--d-ff", "48", "--stride", "5", "--lr", "1e-2"]) == 0
