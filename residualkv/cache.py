@@ -10,9 +10,9 @@ together as a `group`, so a padded row is stored and reconstructed exactly as it
 Padding slots are not stored; they read back as zeros (the attention mask hides them).
 
 What attention reads: the history comes back reconstructed from the stored bytes; the tokens a forward
-call writes are read exact (`new_kv` "exact", as a serving engine's prefill attends over the fresh chunk
-and stores it compressed), or as stored (`new_kv` "reconstructed": codec training, where the whole
-sequence is one forward and L_ntp must see the codec).
+call writes are read as stored too (`new_kv` "reconstructed", the default: how the codec is trained, one
+teacher-forced forward over reconstructions), or exact (`new_kv` "exact", as a serving engine's prefill
+attends over the fresh chunk and stores it compressed; the codec-free baselines run this way).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def _full(model, codec, base):
 def _kivi(bits: int):
     def build(model, codec, base):
         n_layers = model_shape(model.config)[0]
-        cfg = ResidualKVConfig(full_attention_layers=tuple(range(n_layers)), full_bits=bits)
+        # as KIVI runs: the prompt attends over its exact keys and values, the cache stores them quantised
+        cfg = ResidualKVConfig(full_attention_layers=tuple(range(n_layers)), full_bits=bits, new_kv="exact")
         return ResidualKVCache.from_model(model, None, cfg)
     return build
 
@@ -53,7 +54,7 @@ def _omnikv(model, codec, base):
 
 def _dagger(bits: int):
     def build(model, codec, base):
-        cfg = base.replace(bits=bits)
+        cfg = base.replace(bits=bits, new_kv="exact")  # untrained: run as a serving engine would
         ident = ResidualCodec.for_model(model.config, cfg, d_c=0, d_ff=1, kind="identity")
         return ResidualKVCache.from_model(model, ident, cfg)
     return build
@@ -67,8 +68,10 @@ def _snapkv(ratio: float):
 
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("full", "FP16 full cache (transformers DynamicCache)", False, _full),
-    Method("kivi4", "KIVI-style 4-bit keys per channel / values per token on every layer", False, _kivi(4)),
-    Method("kivi2", "KIVI-style 2-bit keys per channel / values per token on every layer", False, _kivi(2)),
+    Method("kivi4", "KIVI-style 4-bit keys per channel / values per token on every layer (prefill over exact KV)",
+           False, _kivi(4)),
+    Method("kivi2", "KIVI-style 2-bit keys per channel / values per token on every layer (prefill over exact KV)",
+           False, _kivi(2)),
     Method("residualkv-dagger", "ResidualKV†: FP8 references + 2-bit raw residuals, no neural codec", False, _dagger(2)),
     Method("snapkv", "SnapKV: keep the 20% most-attended prompt tokens (32-token window included) per layer "
            "and KV head, FP16", False, _snapkv(0.2)),

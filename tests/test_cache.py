@@ -119,7 +119,7 @@ def test_write_returns_exactly_what_reads_decode(tiny_model):
 
 
 def test_prefill_attends_over_exact_kv_and_decode_over_the_stored_history(tiny_model):
-    """new_kv "exact" (the default): a forward call's own tokens are read exact, as a serving engine's
+    """new_kv "exact": a forward call's own tokens are read exact, as a serving engine's
     prefill attends over the fresh chunk, so prefill logits are the full cache's to the last bit while
     the history of later steps comes back from the compressed bytes; "reconstructed" (training) reads
     the stored values for them too."""
@@ -127,7 +127,7 @@ def test_prefill_attends_over_exact_kv_and_decode_over_the_stored_history(tiny_m
 
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)  # KIVI windows hold FP16: bf16 fits them exactly
     ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(5))
-    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2, new_kv="exact")
     codec = _codec(model, cfg)
     with torch.no_grad():
         full = model(input_ids=ids, use_cache=True)
