@@ -12,6 +12,8 @@
 # PCA init, L_rec only). The suite sizes are what fits in about an hour of 2 shared cores: 2 samples
 # per synthetic task at 2K, 1 at 4K (the harness's default is 5), perplexity over 3 held-out windows.
 # THREADS=1 runs the independent evaluations as parallel jobs of one thread each (faster on 2 cores).
+# Each method reads its prompt as it is deployed (residualkv/methods.py): ResidualKV as its codec was
+# trained (new_kv: reconstructed), KIVI and ResidualKV† with the prompt's exact KV (new_kv: exact).
 set -euo pipefail
 CODEC=${1:?usage: benchmarks/quality_cpu.sh CODEC_DIR [REC_ONLY_CODEC_DIR] [THREADS]}
 ABLATION=${2:-}
