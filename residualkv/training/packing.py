@@ -309,10 +309,6 @@ def _load(folder: Path) -> PackedData:
     return PackedData(train=train, heldout=heldout, path=folder, meta=meta)
 
 
-__all__ = ["DataError", "OfflineSource", "LocalSource", "HubSource", "PackedData", "resolve_source",
-           "pack_documents", "tokenizer_fingerprint"]
-
-
 # ---------------------------------------------------------------------------------------------
 # Recall spans: copies of earlier text written into a block, so next-token prediction on the copy
 # depends on reading exact keys and values far back in the cache (what retrieval tasks need).
@@ -339,3 +335,6 @@ def insert_recalls(ids, spans: int, span_len: int, generator) -> tuple[Any, Any]
             mask[b, dst + 1:dst + span_len] = True
     return out, mask
 
+
+__all__ = ["DataError", "OfflineSource", "LocalSource", "HubSource", "PackedData", "resolve_source",
+           "pack_documents", "tokenizer_fingerprint", "insert_recalls"]

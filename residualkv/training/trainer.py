@@ -575,6 +575,7 @@ class CodecTrainer:
         if self.accelerator.is_main_process:
             codec = self.accelerator.unwrap_model(self.objective).codec
             codec.extra = dict(codec.extra) | {"training": self.summary(stopped_early, metrics)}
+            codec.config = codec.config.replace(new_kv="reconstructed")  # served the way it was trained
             codec.save(path)
         return path
 
