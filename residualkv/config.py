@@ -61,7 +61,7 @@ class ResidualKVConfig:
     # reconstructions everywhere), or "exact", their own keys and values, as a serving engine's prefill
     # attends over the fresh chunk and only stores it (how KIVI and ResidualKV† run in the harness).
     # A codec is served the way it was trained: under "exact" the trained SmolLM2 codec kept 0.16 of
-    # the full cache's synthetic score at 4K instead of 0.75 (BENCHMARKS.md)
+    # the full cache's synthetic score at 4K where it keeps 0.66-0.75 read as trained (BENCHMARKS.md)
     new_kv: str = "reconstructed"
     # which implementation runs the hot paths (top-k retrieval, quantise-and-pack, code reconstruction):
     # "auto" = the Triton kernels of `kernels/` on CUDA tensors, the torch code elsewhere; "torch" always
