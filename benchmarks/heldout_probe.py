@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
 from residualkv.training.packing import pack_documents, resolve_source  # noqa: E402
-from residualkv.training.trainer import heldout_metrics  # noqa: E402
+from residualkv.training.trainer import heldout_losses, heldout_metrics  # noqa: E402
 
 
 def main() -> int:
@@ -47,10 +47,11 @@ def main() -> int:
     packed = pack_documents(resolve_source("offline"), tokenizer, args.seq_len)
     blocks = torch.tensor(packed.heldout.select(range(min(args.blocks, len(packed.heldout))))["input_ids"])
     rows = []
+    full = heldout_losses(model, blocks)  # once: the same blocks for every codec
     for path in args.codecs:
         codec = ResidualCodec.load(path, model.config)
         t0 = time.perf_counter()
-        m = heldout_metrics(model, codec, blocks)
+        m = heldout_metrics(model, codec, blocks, full=full)
         training = codec.extra.get("training", {})
         rows.append({"codec": str(path), "d_c": codec.dims.d_c, "stride": codec.config.stride,
                      "init": training.get("init"), "init_from": training.get("init_from"),

@@ -154,6 +154,16 @@ class ResidualCodec(nn.Module):
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
+    def check_shape(self, source: str, spell=lambda field: field, **asked) -> None:
+        """Refuse settings that ask this (starting) codec for another shape: training goes on from its
+        weights, so a d_c, d_ff, stride or bits it does not have would be recorded but never trained.
+        `spell` names a field the way the caller's user wrote it (a CLI flag, a profile key)."""
+        have = {"d_c": self.dims.d_c, "d_ff": self.dims.d_ff, "stride": self.config.stride, "bits": self.config.bits}
+        for field, value in asked.items():
+            if value is not None and int(value) != have[field]:
+                raise CodecError(f"{spell(field)} {value} but the codec in {source} has {field} {have[field]}; "
+                                 f"drop {spell(field)} (a codec keeps its shape) or train a fresh codec")
+
     def check_compatible(self, model_config) -> None:
         from .backbones import fingerprint
 

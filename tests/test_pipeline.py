@@ -251,6 +251,10 @@ def test_training_task_goes_on_from_a_saved_codec(smoke, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
     with pytest.raises(TrainError, match="init_from"):
         run_train(ref, packed, config | {"init": "codec"}, progress=False)
+    # a profile asking the start codec for another shape is refused, naming the profile key
+    with pytest.raises(ValueError, match=f"train.d_c {start.dims.d_c + 8} but the codec in .* has d_c {start.dims.d_c}"):
+        run_train(ref, packed, config | {"init": "codec", "init_from": first["codec_dir"], "d_c": start.dims.d_c + 8},
+                  progress=False)
 
 
 def _seed_of(ckpt: Path) -> int | None:

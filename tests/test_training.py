@@ -19,7 +19,7 @@ from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
 from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, enable_mlp_checkpointing,
-                                         freeze_backbone, heldout_metrics, linear_warmup_decay, train_codec)
+                                         freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, train_codec)
 
 from .conftest import tiny_llama_config
 from .test_packing import tiny_tokenizer, write_corpus
@@ -349,6 +349,11 @@ def test_heldout_metrics_score_text_and_the_recall_probe(packed):
     assert m["eval/blocks"] == 2
     assert m["eval/ppl_ratio"] == pytest.approx(math.exp(m["eval/ntp_codec"] - m["eval/ntp_full"]))
     assert m["eval/recall_ppl_ratio"] == pytest.approx(math.exp(m["eval/recall_nll_codec"] - m["eval/recall_nll_full"]))
+    # the full cache's losses computed once and handed in give the same metrics (the probe is deterministic)
+    full = heldout_losses(model, blocks)
+    assert heldout_metrics(model, codec, blocks, full=full) == m
+    with pytest.raises(ValueError, match="1 blocks given for 2"):
+        heldout_metrics(model, codec, blocks, full=heldout_losses(model, blocks[:1]))
     # without a probe that fits, only the text metrics
     assert "eval/recall_nll_full" not in heldout_metrics(model, codec, blocks[:, :100])
 

@@ -100,7 +100,7 @@ def run_name(args, source_name: str) -> str:
 def cmd_train(args) -> int:
     from ..backbones import load_backbone
     from ..cli import base_config, codecs_dir, resolve_codec
-    from ..codec import ResidualCodec
+    from ..codec import CodecError, ResidualCodec
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,11 +112,11 @@ def cmd_train(args) -> int:
         if args.init != "default":
             raise SystemExit(f"--init {args.init} and --init-from start the codec two ways; pass one of them")
         start = resolve_codec(args.init_from, model, spec)
-        for flag, have in (("d_c", start.dims.d_c), ("d_ff", start.dims.d_ff), ("stride", start.config.stride),
-                           ("bits", start.config.bits)):
-            if getattr(args, flag) not in (None, have):
-                raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)} but the codec in {args.init_from} "
-                                 f"has {flag} {have}; drop the flag (a codec keeps its shape) or train a fresh one")
+        try:
+            start.check_shape(args.init_from, lambda field: "--" + field.replace("_", "-"),
+                              **{field: getattr(args, field) for field in ("d_c", "d_ff", "stride", "bits")})
+        except CodecError as error:
+            raise SystemExit(str(error)) from None
         codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff}
         args.init = "codec"
     d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")

@@ -605,37 +605,46 @@ class CodecTrainer:
 
 
 @torch.no_grad()
-def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor) -> dict[str, float]:
-    """Next-token loss of held-out `blocks` (N, T) with the full cache and through the codec's compressed
-    cache (standalone: every token reconstructed), and the same on a recall probe: each block with
-    EVAL_RECALL_SPANS copies of its own earlier text, scored only on the tokens that need the copy's source
-    (the text metric says whether the codec keeps language modelling, the recall one whether it keeps the
-    exact look-ups that retrieval tasks make)."""
-    config = codec.config.replace(mode="standalone", new_kv="reconstructed")  # teacher-forced, as trained
+def heldout_losses(model: nn.Module, blocks: torch.Tensor, codec: ResidualCodec | None = None) -> dict[str, float]:
+    """Mean next-token loss of held-out `blocks` (N, T), through `codec`'s compressed cache (standalone: every
+    token reconstructed, teacher-forced as trained) or through the full cache when `codec` is None, and the
+    same on a recall probe: each block with EVAL_RECALL_SPANS copies of its own earlier text, scored only on
+    the tokens that need the copy's source. The copies depend only on the blocks, so the full cache's
+    losses can be computed once and compared with any number of codecs (`heldout_metrics(full=...)`)."""
+    config = codec.config.replace(mode="standalone", new_kv="reconstructed") if codec is not None else None
 
-    def nll(ids: torch.Tensor, compressed: bool) -> torch.Tensor:  # per predicted token, (T-1,)
-        kw = {"cache": ResidualKVCache.from_model(model, codec, config), "use_cache": True} if compressed else {}
+    def nll(ids: torch.Tensor) -> torch.Tensor:  # per predicted token, (T-1,)
+        kw = {"cache": ResidualKVCache.from_model(model, codec, config), "use_cache": True} if codec is not None else {}
         logits = model(input_ids=ids[None], **kw).logits[0, :-1].float()
         return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
 
     n, T = blocks.shape
     g = torch.Generator().manual_seed(0)
     probe = T // 2 >= EVAL_RECALL_SPANS * EVAL_RECALL_SPAN_LEN
-    sums = dict.fromkeys(("full", "codec", "recall_full", "recall_codec"), 0.0)
+    sums = {"ntp": 0.0, **({"recall_nll": 0.0} if probe else {})}
     for ids in blocks:
-        sums["full"] += float(nll(ids, False).mean())
-        sums["codec"] += float(nll(ids, True).mean())
+        sums["ntp"] += float(nll(ids).mean())
         if probe:
             copied, mask = insert_recalls(ids[None].cpu(), EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN, g)
-            copied, mask = copied[0].to(ids.device), mask[0, 1:].to(ids.device)
-            sums["recall_full"] += float(nll(copied, False)[mask].mean())
-            sums["recall_codec"] += float(nll(copied, True)[mask].mean())
-    m = {k: v / n for k, v in sums.items()}
-    out = {"eval/ntp_full": m["full"], "eval/ntp_codec": m["codec"], "eval/ppl_ratio": math.exp(m["codec"] - m["full"]),
-           "eval/blocks": n}
-    if probe:
-        out |= {"eval/recall_nll_full": m["recall_full"], "eval/recall_nll_codec": m["recall_codec"],
-                "eval/recall_ppl_ratio": math.exp(m["recall_codec"] - m["recall_full"])}
+            sums["recall_nll"] += float(nll(copied[0].to(ids.device))[mask[0, 1:].to(ids.device)].mean())
+    return {k: v / n for k, v in sums.items()} | {"blocks": n}
+
+
+def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor,
+                    full: dict[str, float] | None = None) -> dict[str, float]:
+    """The codec against the full cache on held-out text and on the recall probe (`heldout_losses`; the
+    text metric says whether the codec keeps language modelling, the recall one whether it keeps the exact
+    look-ups that retrieval tasks make). `full`: the full cache's `heldout_losses` of the same blocks, when
+    the caller already has them."""
+    full = full if full is not None else heldout_losses(model, blocks)
+    mine = heldout_losses(model, blocks, codec)
+    if full.get("blocks") != mine["blocks"]:
+        raise ValueError(f"full: losses of {full.get('blocks')} blocks given for {mine['blocks']} blocks")
+    out = {"eval/ntp_full": full["ntp"], "eval/ntp_codec": mine["ntp"],
+           "eval/ppl_ratio": math.exp(mine["ntp"] - full["ntp"]), "eval/blocks": mine["blocks"]}
+    if "recall_nll" in mine:
+        out |= {"eval/recall_nll_full": full["recall_nll"], "eval/recall_nll_codec": mine["recall_nll"],
+                "eval/recall_ppl_ratio": math.exp(mine["recall_nll"] - full["recall_nll"])}
     return out
 
 
@@ -666,4 +675,4 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
-           "heldout_metrics", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "heldout_losses", "heldout_metrics", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
