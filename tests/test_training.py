@@ -99,13 +99,31 @@ def test_gradients_reach_every_codec_layer_and_never_the_backbone(packed):
     freeze_backbone(model)
     codec = tiny_codec(model)
     ids = torch.tensor(packed.train[0:2]["input_ids"])
-    for loss in ("ntp", "rec", "rec+ntp"):  # NTP alone reaches the codec through the frozen backbone
+    for loss in ("ntp", "rec", "rec+ntp", "rec+kd"):  # NTP alone reaches the codec through the frozen backbone
         codec.zero_grad(set_to_none=True)
         CodecObjective(model, codec, fast(loss=loss))(ids)["loss"].backward()
         for name, p in codec.named_parameters():
             assert p.grad is not None and p.grad.abs().sum() > 0, f"{loss}: no gradient for codec {name}"
     assert all(not p.requires_grad and p.grad is None for p in model.parameters())
     assert not model.training
+
+
+def test_kd_loss_is_the_kl_from_the_full_cache_to_the_compressed_one(packed):
+    from residualkv.cache import ResidualKVCache
+
+    model = tiny_model()
+    freeze_backbone(model)
+    codec = tiny_codec(model)
+    ids = torch.tensor(packed.train[0:2]["input_ids"])
+    with torch.no_grad():
+        out = CodecObjective(model, codec, fast(loss="rec+kd", rec_weight=0.5))(ids)
+        p = model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
+        cache = ResidualKVCache.from_model(model, codec, codec.config.replace(mode="standalone", new_kv="reconstructed"))
+        q = model(input_ids=ids, cache=cache, use_cache=True).logits[:, :-1].float().log_softmax(-1)
+    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    assert kl > 0 and float(out["kd"]) == pytest.approx(kl, rel=1e-4)
+    assert float(out["loss"]) == pytest.approx(0.5 * float(out["rec"]) + kl, rel=1e-4)
+    assert float(out["ntp"]) > 0  # the next-token loss is still reported
 
 
 def test_rec_only_ablation_and_rec_reductions(tmp_path, packed):

@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--lr", type=float, default=2e-4)
     t.add_argument("--warmup-frac", type=float, default=0.02)
-    t.add_argument("--loss", default="rec+ntp", choices=LOSSES, help="rec: L_rec only (the ablation)")
+    t.add_argument("--loss", default="rec+ntp", choices=LOSSES, help="rec: L_rec only (the ablation); rec+kd: L_rec + KL from the full cache's next-token distribution (not the seed's; see BENCHMARKS.md)")
     t.add_argument("--rec-reduction", default="sum", choices=REC_REDUCTIONS,
                    help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE")
     t.add_argument("--rec-weight", type=float, default=1.0, help="L = rec_weight * L_rec + L_ntp")

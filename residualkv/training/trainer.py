@@ -5,6 +5,11 @@
 L_ntp is the next-token cross-entropy of the backbone run with a ResidualKVCache, i.e. every layer
 attends over the *reconstructed* keys and values of the sequence (codes quantised to `bits` with a
 straight-through estimator), so its gradient reaches the codec through the frozen backbone.
+`loss: rec+kd` swaps L_ntp for L_kd, the KL divergence from the full cache's next-token distribution to
+the compressed cache's, per token (not in the seed; see BENCHMARKS.md): L_ntp rewards any change of the
+model that fits the training corpus better, so a codec trained on one narrow corpus also becomes a
+domain adapter; L_kd asks only that the compressed cache make the model say what the full cache makes
+it say. The teacher is the same frozen backbone run without the cache (no gradient).
 L_rec is the squared error between each compressed layer's true pre-RoPE kv and its reconstruction,
 summed over layers, tokens and coordinates as the seed writes it (`rec_reduction="sum"`, averaged
 over the sequences of a batch), or the mean per coordinate (`"mean"`, an MSE). Both are taken from
@@ -44,7 +49,7 @@ from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
 from .packing import insert_recalls
 
-LOSSES = ("rec+ntp", "rec", "ntp")
+LOSSES = ("rec+ntp", "rec", "ntp", "rec+kd")
 INITS = ("default", "zero-decoder", "rec-warmstart", "fisher-pca", "codec")
 REC_REDUCTIONS = ("sum", "mean")
 CHECKPOINTS = "checkpoints"
@@ -149,6 +154,10 @@ class CodecObjective(nn.Module):
         self.cache_config = codec.config.replace(mode="standalone", new_kv="reconstructed")
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        teacher = None
+        if self.loss_kind == "rec+kd":
+            with torch.no_grad():  # the full cache's distribution: the target, not something to train
+                teacher = self.model(input_ids=input_ids).logits[:, :-1].float().log_softmax(-1)
         cache = ResidualKVCache.from_model(self.model, self.codec, self.cache_config)
         terms = cache.collect_rec_loss()
         wants_ntp = self.loss_kind != "rec"
@@ -157,8 +166,16 @@ class CodecObjective(nn.Module):
                          labels=input_ids if wants_ntp else None, logits_to_keep=0 if wants_ntp else 1)
         rec = self._reduce(torch.stack(terms).sum(), input_ids) if terms else input_ids.new_zeros((), dtype=torch.float32)
         ntp = out.loss.float() if wants_ntp else rec.new_zeros(())
+        result = {"rec": rec.detach(), "ntp": ntp.detach()}
+        if teacher is not None:
+            student = out.logits[:, :-1].float().log_softmax(-1)
+            # KL(p_full || p_codec) summed over the vocabulary, averaged over predicted tokens
+            kd = torch.nn.functional.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
+                                            reduction="batchmean")
+            result["kd"] = kd.detach()
+            return {"loss": self.rec_weight * rec + kd, **result}
         loss = {"rec+ntp": self.rec_weight * rec + ntp, "rec": rec, "ntp": ntp}[self.loss_kind]
-        return {"loss": loss, "rec": rec.detach(), "ntp": ntp.detach()}
+        return {"loss": loss, **result}
 
     def _reduce(self, total: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
@@ -424,7 +441,7 @@ class CodecTrainer:
                 st.train_seconds += step_s
                 st.step += 1
                 bar.update(1)
-                bar.set_postfix({k: f"{window[-1][k]:.4g}" for k in ("loss", "rec", "ntp")})
+                bar.set_postfix({k: f"{window[-1][k]:.4g}" for k in ("loss", "rec", "ntp", "kd") if k in window[-1]})
                 if st.step % cfg.log_every == 0 or st.step == st.total_steps:
                     self._log(window, step_s)
                     window = []
