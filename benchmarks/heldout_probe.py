@@ -4,7 +4,8 @@ For each codec: next-token loss of held-out blocks of the training corpus throug
 (standalone: every token reconstructed) against the full cache, and the same on a recall probe, the
 blocks with copies of their own earlier text (4 spans of 24 tokens), scored only on the copied tokens a
 model can predict by looking the source up. The text metric says whether a codec keeps language
-modelling; the recall one whether it keeps the exact look-ups retrieval tasks make. Both come from
+modelling; the KL (full cache -> codec, per token, on the text) whether it keeps the model saying what
+it said; the recall one whether it keeps the exact look-ups retrieval tasks make. Both come from
 `residualkv.training.trainer.heldout_metrics`, which `rkv train` also reports at the end of a run.
 
     python benchmarks/heldout_probe.py DIR_A/codec DIR_B/codec ... [--blocks 8] [--seq-len 1024]
@@ -58,7 +59,8 @@ def main() -> int:
                      "recall_spans": training.get("recall_spans", 0), "train_tokens": training.get("tokens"),
                      **{k.removeprefix("eval/"): v for k, v in m.items()}, "seconds": round(time.perf_counter() - t0, 1)})
         r = rows[-1]
-        print(f"{path}: text x{r['ppl_ratio']:.4f} ({r['ntp_codec']:.4f} vs {r['ntp_full']:.4f}), recall "
+        print(f"{path}: text x{r['ppl_ratio']:.4f} ({r['ntp_codec']:.4f} vs {r['ntp_full']:.4f}), "
+              f"KL from the full cache {r['kl']:.4f}, recall "
               f"x{r.get('recall_ppl_ratio', float('nan')):.4f} ({r.get('recall_nll_codec', float('nan')):.4f} vs "
               f"{r.get('recall_nll_full', float('nan')):.4f})", flush=True)
     out = Path(args.out)

@@ -367,6 +367,7 @@ def test_heldout_metrics_score_text_and_the_recall_probe(packed):
     assert m["eval/blocks"] == 2
     assert m["eval/ppl_ratio"] == pytest.approx(math.exp(m["eval/ntp_codec"] - m["eval/ntp_full"]))
     assert m["eval/recall_ppl_ratio"] == pytest.approx(math.exp(m["eval/recall_nll_codec"] - m["eval/recall_nll_full"]))
+    assert m["eval/kl"] > 0  # an untrained codec changes what the model says
     # the full cache's losses computed once and handed in give the same metrics (the probe is deterministic)
     full = heldout_losses(model, blocks)
     assert heldout_metrics(model, codec, blocks, full=full) == m

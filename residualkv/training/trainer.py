@@ -627,23 +627,36 @@ def heldout_losses(model: nn.Module, blocks: torch.Tensor, codec: ResidualCodec 
     token reconstructed, teacher-forced as trained) or through the full cache when `codec` is None, and the
     same on a recall probe: each block with EVAL_RECALL_SPANS copies of its own earlier text, scored only on
     the tokens that need the copy's source. The copies depend only on the blocks, so the full cache's
-    losses can be computed once and compared with any number of codecs (`heldout_metrics(full=...)`)."""
+    losses can be computed once and compared with any number of codecs (`heldout_metrics(full=...)`).
+    With a codec, also `kl`: the mean per-token KL divergence from the full cache's next-token
+    distribution to the codec's on the text (how faithfully the codec keeps the model's behaviour: a codec
+    can lower the loss on text like its training corpus by changing what the model says; the KL counts
+    that as a difference). Costs one full-cache forward per block."""
     config = codec.config.replace(mode="standalone", new_kv="reconstructed") if codec is not None else None
 
-    def nll(ids: torch.Tensor) -> torch.Tensor:  # per predicted token, (T-1,)
-        kw = {"cache": ResidualKVCache.from_model(model, codec, config), "use_cache": True} if codec is not None else {}
-        logits = model(input_ids=ids[None], **kw).logits[0, :-1].float()
-        return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+    def logprobs(ids: torch.Tensor, compressed: bool) -> torch.Tensor:  # (T-1, V) next-token log-probabilities
+        kw = {"cache": ResidualKVCache.from_model(model, codec, config), "use_cache": True} if compressed else {}
+        return model(input_ids=ids[None], **kw).logits[0, :-1].float().log_softmax(-1)
+
+    def nll(ids: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:  # per predicted token, (T-1,)
+        return -lp.gather(-1, ids[1:, None])[:, 0]
 
     n, T = blocks.shape
     g = torch.Generator().manual_seed(0)
     probe = T // 2 >= EVAL_RECALL_SPANS * EVAL_RECALL_SPAN_LEN
-    sums = {"ntp": 0.0, **({"recall_nll": 0.0} if probe else {})}
+    sums = {"ntp": 0.0, **({"kl": 0.0} if codec is not None else {}), **({"recall_nll": 0.0} if probe else {})}
     for ids in blocks:
-        sums["ntp"] += float(nll(ids).mean())
+        lp = logprobs(ids, codec is not None)
+        sums["ntp"] += float(nll(ids, lp).mean())
+        if codec is not None:
+            full = logprobs(ids, False)
+            sums["kl"] += float((full.exp() * (full - lp)).sum(-1).mean())
+            del full
+        del lp
         if probe:
             copied, mask = insert_recalls(ids[None].cpu(), EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN, g)
-            sums["recall_nll"] += float(nll(copied[0].to(ids.device))[mask[0, 1:].to(ids.device)].mean())
+            copied = copied[0].to(ids.device)
+            sums["recall_nll"] += float(nll(copied, logprobs(copied, codec is not None))[mask[0, 1:].to(ids.device)].mean())
     return {k: v / n for k, v in sums.items()} | {"blocks": n}
 
 
@@ -658,7 +671,7 @@ def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor
     if full.get("blocks") != mine["blocks"]:
         raise ValueError(f"full: losses of {full.get('blocks')} blocks given for {mine['blocks']} blocks")
     out = {"eval/ntp_full": full["ntp"], "eval/ntp_codec": mine["ntp"],
-           "eval/ppl_ratio": math.exp(mine["ntp"] - full["ntp"]), "eval/blocks": mine["blocks"]}
+           "eval/ppl_ratio": math.exp(mine["ntp"] - full["ntp"]), "eval/kl": mine["kl"], "eval/blocks": mine["blocks"]}
     if "recall_nll" in mine:
         out |= {"eval/recall_nll_full": full["recall_nll"], "eval/recall_nll_codec": mine["recall_nll"],
                 "eval/recall_ppl_ratio": math.exp(mine["recall_nll"] - full["recall_nll"])}
