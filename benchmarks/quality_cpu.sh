@@ -43,6 +43,10 @@ run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --conte
 run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 1 --ppl-tokens 0 \
   --methods full,residualkv-standalone,residualkv-r10 \
   --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k.json"
+# 16 more samples at 4K (seed 1: independent of the set above), so the 4K rankings rest on 24 samples
+run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 2 --seed 1 --ppl-tokens 0 \
+  --methods full,kivi2,snapkv,residualkv-dagger,residualkv-standalone,residualkv-r10 \
+  --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k_seed1.json"
 # OmniKV selection on the uncompressed cache at the same CR (issue #4's bytes-at-equal-score comparison)
 run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 2048 --n-samples 2 --ppl-tokens 0 \
   --methods full,omnikv-r15 --threads "$THREADS" --no-progress --json "$OUT/synthetic_2k_omnikv.json"
