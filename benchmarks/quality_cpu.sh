@@ -43,7 +43,10 @@ run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --conte
 run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 1 --ppl-tokens 0 \
   --methods full,residualkv-standalone,residualkv-r10 \
   --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k.json"
-# 16 more samples at 4K (seed 1: independent of the set above), so the 4K rankings rest on 24 samples
+# 16 more samples per length (seed 1: independent of the sets above): 32 samples at 2K, 24 at 4K
+run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 2048 --n-samples 2 --seed 1 --ppl-tokens 0 \
+  --methods full,residualkv-standalone,snapkv,kivi2,residualkv-dagger \
+  --threads "$THREADS" --no-progress --json "$OUT/synthetic_2k_seed1.json"
 run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 2 --seed 1 --ppl-tokens 0 \
   --methods full,kivi2,snapkv,residualkv-dagger,residualkv-standalone,residualkv-r10 \
   --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k_seed1.json"
