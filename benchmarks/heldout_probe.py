@@ -48,7 +48,7 @@ def main() -> int:
     packed = pack_documents(resolve_source("offline"), tokenizer, args.seq_len)
     blocks = torch.tensor(packed.heldout.select(range(min(args.blocks, len(packed.heldout))))["input_ids"])
     rows = []
-    full = heldout_losses(model, blocks)  # once: the same blocks for every codec
+    full = heldout_losses(model, blocks)  # the full cache on the recall probe: once, the same for every codec
     for path in args.codecs:
         codec = ResidualCodec.load(path, model.config)
         t0 = time.perf_counter()

@@ -19,7 +19,8 @@ from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
 from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, enable_mlp_checkpointing,
-                                         freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, train_codec)
+                                         freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, train_codec,
+                                         trained_reading)
 
 from .conftest import tiny_llama_config
 from .test_packing import tiny_tokenizer, write_corpus
@@ -118,7 +119,7 @@ def test_kd_loss_is_the_kl_from_the_full_cache_to_the_compressed_one(packed):
     with torch.no_grad():
         out = CodecObjective(model, codec, fast(loss="rec+kd", rec_weight=0.5))(ids)
         p = model(input_ids=ids).logits[:, :-1].float().log_softmax(-1)
-        cache = ResidualKVCache.from_model(model, codec, codec.config.replace(mode="standalone", new_kv="reconstructed"))
+        cache = ResidualKVCache.from_model(model, codec, trained_reading(codec))
         q = model(input_ids=ids, cache=cache, use_cache=True).logits[:, :-1].float().log_softmax(-1)
     kl = float((p.exp() * (p - q)).sum(-1).mean())
     assert kl > 0 and float(out["kd"]) == pytest.approx(kl, rel=1e-4)

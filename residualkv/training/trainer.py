@@ -144,14 +144,25 @@ def _check(ok: bool, name: str, value: Any, fix: str) -> None:
 # single forward (DDP hooks, autocast) and DDP sees only the codec's parameters (the others need no grad).
 
 
+def trained_reading(codec: ResidualCodec):
+    """The cache config a codec is trained and teacher-force-evaluated with: standalone (the paper trains
+    the codec reconstructing every token, whatever mode serves it), the sequence's own tokens included."""
+    return codec.config.replace(mode="standalone", new_kv="reconstructed")
+
+
+def token_kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(p_teacher || p_student) from next-token log-probabilities [..., V]: summed over the vocabulary,
+    averaged over the predicted tokens (differentiable in `student`)."""
+    return torch.nn.functional.kl_div(student.flatten(0, -2), teacher.flatten(0, -2), log_target=True,
+                                      reduction="batchmean")
+
+
 class CodecObjective(nn.Module):
     def __init__(self, model: nn.Module, codec: ResidualCodec, config: TrainConfig):
         super().__init__()
         self.model, self.codec = model, codec
         self.loss_kind, self.rec_reduction, self.rec_weight = config.loss, config.rec_reduction, config.rec_weight
-        # training reconstructs every token (the paper trains the codec standalone, whatever mode serves
-        # it), the sequence's own tokens included: one forward then attends over reconstructions only
-        self.cache_config = codec.config.replace(mode="standalone", new_kv="reconstructed")
+        self.cache_config = trained_reading(codec)  # one forward attends over reconstructions only
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         teacher = None
@@ -168,10 +179,7 @@ class CodecObjective(nn.Module):
         ntp = out.loss.float() if wants_ntp else rec.new_zeros(())
         result = {"rec": rec.detach(), "ntp": ntp.detach()}
         if teacher is not None:
-            student = out.logits[:, :-1].float().log_softmax(-1)
-            # KL(p_full || p_codec) summed over the vocabulary, averaged over predicted tokens
-            kd = torch.nn.functional.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
-                                            reduction="batchmean")
+            kd = token_kl(teacher, out.logits[:, :-1].float().log_softmax(-1))
             result["kd"] = kd.detach()
             return {"loss": self.rec_weight * rec + kd, **result}
         loss = {"rec+ntp": self.rec_weight * rec + ntp, "rec": rec, "ntp": ntp}[self.loss_kind]
@@ -621,57 +629,65 @@ class CodecTrainer:
             print(f"[rkv train] {message}", flush=True)
 
 
+def _logprobs(model: nn.Module, ids: torch.Tensor, codec: ResidualCodec | None) -> torch.Tensor:
+    """(T-1, V) next-token log-probabilities of one sequence, through `codec`'s cache as trained
+    (teacher-forced) or through the full cache when `codec` is None."""
+    kw = {"cache": ResidualKVCache.from_model(model, codec, trained_reading(codec)), "use_cache": True} if codec is not None else {}
+    return model(input_ids=ids[None], **kw).logits[0, :-1].float().log_softmax(-1)
+
+
+def _nll(ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:  # per predicted token, (T-1,)
+    return -logprobs.gather(-1, ids[1:, None])[:, 0]
+
+
+def _has_probe(blocks: torch.Tensor) -> bool:
+    return blocks.shape[1] // 2 >= EVAL_RECALL_SPANS * EVAL_RECALL_SPAN_LEN
+
+
 @torch.no_grad()
 def heldout_losses(model: nn.Module, blocks: torch.Tensor, codec: ResidualCodec | None = None) -> dict[str, float]:
-    """Mean next-token loss of held-out `blocks` (N, T), through `codec`'s compressed cache (standalone: every
-    token reconstructed, teacher-forced as trained) or through the full cache when `codec` is None, and the
-    same on a recall probe: each block with EVAL_RECALL_SPANS copies of its own earlier text, scored only on
-    the tokens that need the copy's source. The copies depend only on the blocks, so the full cache's
-    losses can be computed once and compared with any number of codecs (`heldout_metrics(full=...)`).
-    With a codec, also `kl`: the mean per-token KL divergence from the full cache's next-token
-    distribution to the codec's on the text (how faithfully the codec keeps the model's behaviour: a codec
-    can lower the loss on text like its training corpus by changing what the model says; the KL counts
-    that as a difference). Costs one full-cache forward per block."""
-    config = codec.config.replace(mode="standalone", new_kv="reconstructed") if codec is not None else None
-
-    def logprobs(ids: torch.Tensor, compressed: bool) -> torch.Tensor:  # (T-1, V) next-token log-probabilities
-        kw = {"cache": ResidualKVCache.from_model(model, codec, config), "use_cache": True} if compressed else {}
-        return model(input_ids=ids[None], **kw).logits[0, :-1].float().log_softmax(-1)
-
-    def nll(ids: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:  # per predicted token, (T-1,)
-        return -lp.gather(-1, ids[1:, None])[:, 0]
-
-    n, T = blocks.shape
+    """The recall probe of held-out `blocks` (N, T): each block with EVAL_RECALL_SPANS copies of its own
+    earlier text, mean next-token loss on the tokens that need the copy's source (`recall_nll`), through
+    `codec`'s compressed cache or through the full cache when `codec` is None; empty when the blocks are
+    too short for the probe. The copies depend only on the blocks, so the full cache's part can be
+    computed once and handed to `heldout_metrics(full=...)` for any number of codecs."""
+    if not _has_probe(blocks):
+        return {"blocks": blocks.shape[0]}
     g = torch.Generator().manual_seed(0)
-    probe = T // 2 >= EVAL_RECALL_SPANS * EVAL_RECALL_SPAN_LEN
-    sums = {"ntp": 0.0, **({"kl": 0.0} if codec is not None else {}), **({"recall_nll": 0.0} if probe else {})}
+    total = 0.0
     for ids in blocks:
-        lp = logprobs(ids, codec is not None)
-        sums["ntp"] += float(nll(ids, lp).mean())
-        if codec is not None:
-            full = logprobs(ids, False)
-            sums["kl"] += float((full.exp() * (full - lp)).sum(-1).mean())
-            del full
-        del lp
-        if probe:
-            copied, mask = insert_recalls(ids[None].cpu(), EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN, g)
-            copied = copied[0].to(ids.device)
-            sums["recall_nll"] += float(nll(copied, logprobs(copied, codec is not None))[mask[0, 1:].to(ids.device)].mean())
-    return {k: v / n for k, v in sums.items()} | {"blocks": n}
+        copied, mask = insert_recalls(ids[None].cpu(), EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN, g)
+        copied = copied[0].to(ids.device)
+        total += float(_nll(copied, _logprobs(model, copied, codec))[mask[0, 1:].to(ids.device)].mean())
+    return {"recall_nll": total / blocks.shape[0], "blocks": blocks.shape[0]}
 
 
+@torch.no_grad()
 def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor,
                     full: dict[str, float] | None = None) -> dict[str, float]:
-    """The codec against the full cache on held-out text and on the recall probe (`heldout_losses`; the
-    text metric says whether the codec keeps language modelling, the recall one whether it keeps the exact
-    look-ups that retrieval tasks make). `full`: the full cache's `heldout_losses` of the same blocks, when
-    the caller already has them."""
+    """The codec against the full cache on held-out `blocks` (N, T), teacher-forced (standalone: every
+    token reconstructed, as trained): next-token loss of the text through both caches (whether the codec
+    keeps language modelling), the mean per-token KL from the full cache's next-token distribution to the
+    codec's (whether the model keeps saying what it said: a codec can lower the loss on text like its
+    training corpus by changing the model; the KL counts that), and the recall probe (`heldout_losses`:
+    whether it keeps the exact look-ups retrieval tasks make). `full`: the full cache's
+    `heldout_losses(model, blocks)` when the caller already has it (the text needs both caches' full
+    distributions, so only the probe's full-cache half can be reused)."""
     full = full if full is not None else heldout_losses(model, blocks)
+    n = blocks.shape[0]
+    if full.get("blocks") != n:
+        raise ValueError(f"full: losses of {full.get('blocks')} blocks given for {n} blocks")
+    sums = {"full": 0.0, "codec": 0.0, "kl": 0.0}
+    for ids in blocks:
+        teacher, student = _logprobs(model, ids, None), _logprobs(model, ids, codec)
+        sums["full"] += float(_nll(ids, teacher).mean())
+        sums["codec"] += float(_nll(ids, student).mean())
+        sums["kl"] += float(token_kl(teacher, student))
+        del teacher, student  # vocabulary-sized: free them before the next block's
+    m = {k: v / n for k, v in sums.items()}
+    out = {"eval/ntp_full": m["full"], "eval/ntp_codec": m["codec"], "eval/ppl_ratio": math.exp(m["codec"] - m["full"]),
+           "eval/kl": m["kl"], "eval/blocks": n}
     mine = heldout_losses(model, blocks, codec)
-    if full.get("blocks") != mine["blocks"]:
-        raise ValueError(f"full: losses of {full.get('blocks')} blocks given for {mine['blocks']} blocks")
-    out = {"eval/ntp_full": full["ntp"], "eval/ntp_codec": mine["ntp"],
-           "eval/ppl_ratio": math.exp(mine["ntp"] - full["ntp"]), "eval/kl": mine["kl"], "eval/blocks": mine["blocks"]}
     if "recall_nll" in mine:
         out |= {"eval/recall_nll_full": full["recall_nll"], "eval/recall_nll_codec": mine["recall_nll"],
                 "eval/recall_ppl_ratio": math.exp(mine["recall_nll"] - full["recall_nll"])}
@@ -705,4 +721,4 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
-           "heldout_losses", "heldout_metrics", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
