@@ -143,6 +143,11 @@ class ResidualStore:
         self.codes_decoded = 0
         self.refs_decoded = 0
         self._layout: tuple | None = None  # cached (n, is_ref [n], ref ordinals [R]) of the schedule
+        # training only (ResidualKVCache.keep_grad_history): the differentiable reconstructions `write`
+        # returned, read back in place of decoding the stored (detached) bytes so that a later call's
+        # loss reaches the encoder too; equal to the decoded bytes up to float rounding
+        self.keep_grad = False
+        self.grad_history: torch.Tensor | None = None
 
     @property
     def n_refs(self) -> int:
@@ -193,6 +198,8 @@ class ResidualStore:
             self.ref_ord = torch.cat([self.ref_ord, new_ord[m]])
             self.ref_visible = torch.cat([self.ref_visible, m.new_ones(int(m.sum()))])
             self.code_ord = torch.cat([self.code_ord, new_ord[~m]])
+        if self.keep_grad:
+            self.grad_history = _cat(self.grad_history, out)
         self.n += T
         return out
 
@@ -209,6 +216,8 @@ class ResidualStore:
         B, _, d = refs.shape
         self.refs_decoded += refs.shape[0] * refs.shape[1]
         self.codes_decoded += 0 if self.codes is None else self.codes.codes.shape[0] * self.codes.codes.shape[1]
+        if self.grad_history is not None:
+            return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
         out = refs.new_empty(B, self.n, d)
         is_ref = self.schedule.is_ref(0, self.n).to(refs.device)
         out[:, is_ref] = refs
@@ -645,10 +654,13 @@ class ResidualLayer(_GroupedLayer):
     def __init__(self, codec: LayerCodec, cfg: ResidualKVConfig, schedule: ReferenceSchedule, rope: RopeTable):
         self.codec, self.cfg, self.schedule, self.rope = codec, cfg, schedule, rope
         self.rec_terms: list[torch.Tensor] | None = None  # training hook, see ResidualKVCache.collect_rec_loss
+        self.keep_grad = False  # training hook, see ResidualKVCache.keep_grad_history
         super().__init__()
 
     def _new_store(self) -> ResidualStore:
-        return ResidualStore(self.codec, self.cfg, self.schedule)
+        store = ResidualStore(self.codec, self.cfg, self.schedule)
+        store.keep_grad = self.keep_grad
+        return store
 
     def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None):
         """`pos` holds the RoPE positions of the returned tokens: the history read (all of it, or the
@@ -856,6 +868,18 @@ class ResidualKVCache(Cache):
             if isinstance(layer, ResidualLayer):
                 layer.rec_terms = terms
         return terms
+
+    def keep_grad_history(self) -> None:
+        """Training hook for a loss taken in a later call than the one that wrote the history (a prompt
+        prefilled, then a continuation read through the cache, as served): compressed layers read their
+        history back from the differentiable reconstructions their writes returned instead of decoding
+        the stored bytes (the same values up to float rounding), so that loss reaches the encoder as well
+        as the decoder. Call it before the first write; it keeps an extra float copy of the history."""
+        if any(layer.n_slots for layer in self.layers):
+            raise ValueError("keep_grad_history() must be called on an empty cache, before the first write")
+        for layer in self.layers:
+            if isinstance(layer, ResidualLayer):
+                layer.keep_grad = True
 
     def nbytes(self) -> dict[str, int]:
         """Bytes actually held, by component (see accounting.py for KR/CR)."""

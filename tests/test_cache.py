@@ -118,6 +118,31 @@ def test_write_returns_exactly_what_reads_decode(tiny_model):
     torch.testing.assert_close(store.read(), torch.cat([first, second], 1), rtol=0, atol=0)
 
 
+def test_keep_grad_history_reads_what_the_bytes_decode_and_carries_gradients_to_the_encoder(tiny_model):
+    """The training hook for a loss taken in a later call (reading 'served'): the history comes back from
+    the differentiable reconstruction, equal to the decoded bytes up to float rounding, and a later
+    read's gradient reaches the encoder, which decoding the detached stored codes cannot do."""
+    cfg = ResidualKVConfig(full_attention_layers=(), stride=5, n_sink=3)
+    codec = _codec(tiny_model, cfg)
+    cache = ResidualKVCache.from_model(tiny_model, codec, cfg)
+    cache.keep_grad_history()
+    store = cache.layers[2]._new_store()
+    kv = torch.randn(1, 37, 64)
+    store.write(kv[:, :30])
+    store.write(kv[:, 30:])
+    kept = store.read()
+    store.grad_history, decoded = None, store.read()
+    torch.testing.assert_close(kept.detach(), decoded, rtol=1e-5, atol=1e-5)
+    kept.sum().backward()
+    enc = [p.grad for n, p in codec.named_parameters() if n.startswith("layers.2.w_c")]  # the SwiGLU encoder
+    assert enc and all(g is not None and g.abs().sum() > 0 for g in enc)
+    with pytest.raises(ValueError, match="empty cache"):
+        ids = torch.randint(0, 128, (1, 8))
+        with torch.no_grad():
+            tiny_model(input_ids=ids, cache=cache, use_cache=True)
+        cache.keep_grad_history()
+
+
 def test_prefill_attends_over_exact_kv_and_decode_over_the_stored_history(tiny_model):
     """new_kv "exact": a forward call's own tokens are read exact, as a serving engine's
     prefill attends over the fresh chunk, so prefill logits are the full cache's to the last bit while

@@ -19,8 +19,8 @@ from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
 from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, enable_mlp_checkpointing,
-                                         freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, train_codec,
-                                         trained_reading)
+                                         freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, served_split,
+                                         train_codec, trained_reading)
 
 from .conftest import tiny_llama_config
 from .test_packing import tiny_tokenizer, write_corpus
@@ -125,6 +125,37 @@ def test_kd_loss_is_the_kl_from_the_full_cache_to_the_compressed_one(packed):
     assert kl > 0 and float(out["kd"]) == pytest.approx(kl, rel=1e-4)
     assert float(out["loss"]) == pytest.approx(0.5 * float(out["rec"]) + kl, rel=1e-4)
     assert float(out["ntp"]) > 0  # the next-token loss is still reported
+
+
+def test_served_reading_scores_the_rest_of_a_block_through_the_prompts_compressed_history(tmp_path, packed):
+    model = tiny_model()
+    freeze_backbone(model)
+    codec = tiny_codec(model)
+    ids = torch.tensor(packed.train[0:2]["input_ids"])
+    torch.manual_seed(5)
+    p = served_split(SEQ)
+    assert SEQ // 4 <= p < 3 * SEQ // 4
+    with torch.no_grad():
+        torch.manual_seed(5)  # the objective draws the same split
+        out = CodecObjective(model, codec, fast(reading="served"))(ids)
+        # by hand, as a server runs it: prefill the prompt (reads itself exact), then score the rest
+        cache = ResidualKVCache.from_model(model, codec, codec.config.replace(mode="standalone", new_kv="exact"))
+        model(input_ids=ids[:, :p], cache=cache, use_cache=True)
+        rest = model(input_ids=ids[:, p:], cache=cache, use_cache=True, labels=ids[:, p:])
+        whole = CodecObjective(model, codec, fast())(ids)
+    assert float(out["ntp"]) == pytest.approx(float(rest.loss), rel=1e-5)
+    assert float(out["ntp"]) != pytest.approx(float(whole["ntp"]), rel=1e-3)  # not the seed's reading
+    # the rest's loss alone reaches the encoder too, through the history the prompt wrote
+    codec.zero_grad(set_to_none=True)
+    CodecObjective(model, codec, fast(reading="served", loss="ntp"))(ids)["loss"].backward()
+    for name, prm in codec.named_parameters():
+        assert prm.grad is not None and prm.grad.abs().sum() > 0, f"served: no gradient for codec {name}"
+    # a codec trained this way is served the way it was trained: prompt prefilled exact
+    result = train_codec(model, codec, packed.train, tmp_path / "run", fast(steps=2, reading="served"), progress=False)
+    saved = ResidualCodec.load(result.codec_path, model_config=model.config)
+    assert saved.config.new_kv == "exact" and saved.extra["training"]["reading"] == "served"
+    with pytest.raises(TrainError, match="reading"):
+        fast(reading="prefix")
 
 
 def test_rec_only_ablation_and_rec_reductions(tmp_path, packed):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .packing import pack_documents, resolve_source
-from .trainer import CHECKPOINTS, INITS, LOSSES, REC_REDUCTIONS, TrainConfig, train_codec
+from .trainer import CHECKPOINTS, INITS, LOSSES, READINGS, REC_REDUCTIONS, TrainConfig, train_codec
 
 
 def register(subparsers) -> None:
@@ -40,6 +40,10 @@ def register(subparsers) -> None:
     t.add_argument("--lr", type=float, default=2e-4)
     t.add_argument("--warmup-frac", type=float, default=0.02)
     t.add_argument("--loss", default="rec+ntp", choices=LOSSES, help="rec: L_rec only (the ablation); rec+kd: L_rec + KL from the full cache's next-token distribution (not the seed's; see BENCHMARKS.md)")
+    t.add_argument("--reading", default="reconstructed", choices=READINGS,
+                   help="how L_ntp reads the cache: 'reconstructed' (the seed: every token attends over reconstructions) "
+                        "or 'served' (a prompt prefilled exact, the rest scored through its compressed history; the "
+                        "codec is then served with new_kv exact)")
     t.add_argument("--rec-reduction", default="sum", choices=REC_REDUCTIONS,
                    help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE")
     t.add_argument("--rec-weight", type=float, default=1.0, help="L = rec_weight * L_rec + L_ntp")
@@ -87,6 +91,8 @@ def run_name(args, source_name: str) -> str:
     for flag in ("d_c", "d_ff", "stride"):
         if getattr(args, flag, None):
             name += f"-{flag.replace('_', '')}{getattr(args, flag)}"
+    if getattr(args, "reading", "reconstructed") != "reconstructed":
+        name += f"-{args.reading}"
     if getattr(args, "recall_spans", 0):
         name += f"-recall{args.recall_spans}x{args.recall_span_len}"
     if getattr(args, "init_from", None):
@@ -129,6 +135,7 @@ def cmd_train(args) -> int:
 
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
+                         reading=args.reading,
                          rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
                          warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
                          fisher_alpha=args.fisher_alpha, recall_spans=args.recall_spans,

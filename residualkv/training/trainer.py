@@ -50,6 +50,11 @@ from ..codec import ResidualCodec
 from .packing import insert_recalls
 
 LOSSES = ("rec+ntp", "rec", "ntp", "rec+kd")
+# how the next-token loss reads the cache: "reconstructed" (the seed's: one teacher-forced forward, every
+# token attends over reconstructions) or "served" (each block split at a random point: the prefix runs as a
+# prompt prefill reading its own exact keys and values and is stored compressed, the rest is scored
+# reading that compressed history: `new_kv: exact`, how a serving engine prefills; not in the seed)
+READINGS = ("reconstructed", "served")
 INITS = ("default", "zero-decoder", "rec-warmstart", "fisher-pca", "codec")
 REC_REDUCTIONS = ("sum", "mean")
 CHECKPOINTS = "checkpoints"
@@ -57,7 +62,7 @@ CODEC = "codec"
 STATE = "trainer_state.json"
 # Config fields a resumed run must share with the run it continues (the rest may change between runs).
 RESUME_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_frac", "weight_decay", "loss",
-                 "rec_reduction", "rec_weight", "seed", "init", "recall_spans", "recall_span_len")
+                 "rec_reduction", "rec_weight", "seed", "init", "recall_spans", "recall_span_len", "reading")
 # Held-out recall probe (evaluate): copies of earlier text in each block, scored only where predicting
 # them needs the copied source; fixed so that codecs trained any way are compared on the same probe.
 EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN = 4, 24
@@ -79,6 +84,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     loss: str = "rec+ntp"
+    reading: str = "reconstructed"  # see READINGS
     rec_reduction: str = "sum"
     rec_weight: float = 1.0
     init: str = "default"  # "default" (nn.Linear init), "zero-decoder" (start at kv_hat = mean_ref) or
@@ -111,6 +117,9 @@ class TrainConfig:
         _check(self.lr > 0, "lr", self.lr, "use a positive learning rate (seed: 2e-4)")
         _check(0 <= self.warmup_frac < 1, "warmup_frac", self.warmup_frac, "use a fraction in [0, 1) (seed: 0.02)")
         _check(self.loss in LOSSES, "loss", self.loss, f"choose one of {LOSSES}")
+        _check(self.reading in READINGS, "reading", self.reading, f"choose one of {READINGS}")
+        _check(self.reading != "served" or self.seq_len >= 8, "seq_len", self.seq_len,
+               "reading 'served' splits each block into a prompt and a scored rest: use at least 8 tokens")
         _check(self.rec_reduction in REC_REDUCTIONS, "rec_reduction", self.rec_reduction, f"choose one of {REC_REDUCTIONS}")
         _check(self.rec_weight >= 0, "rec_weight", self.rec_weight, "use a non-negative weight")
         _check(self.init in INITS, "init", self.init, f"choose one of {INITS}")
@@ -145,9 +154,18 @@ def _check(ok: bool, name: str, value: Any, fix: str) -> None:
 
 
 def trained_reading(codec: ResidualCodec):
-    """The cache config a codec is trained and teacher-force-evaluated with: standalone (the paper trains
-    the codec reconstructing every token, whatever mode serves it), the sequence's own tokens included."""
+    """The cache config a codec is teacher-force-evaluated with (and trained with under the seed's reading):
+    standalone (the paper trains the codec reconstructing every token, whatever mode serves it), the
+    sequence's own tokens included."""
     return codec.config.replace(mode="standalone", new_kv="reconstructed")
+
+
+def served_split(seq_len: int, generator: torch.Generator | None = None) -> int:
+    """Where reading 'served' splits a block: prompt = tokens [0, p), scored rest = [p, seq_len), p drawn
+    uniformly from the middle half so both sides are long (the prompt: history to retrieve from; the rest:
+    tokens whose loss reads it)."""
+    lo, hi = seq_len // 4, max(seq_len // 4 + 1, (3 * seq_len) // 4)
+    return int(torch.randint(lo, hi, (1,), generator=generator))
 
 
 def token_kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -162,19 +180,29 @@ class CodecObjective(nn.Module):
         super().__init__()
         self.model, self.codec = model, codec
         self.loss_kind, self.rec_reduction, self.rec_weight = config.loss, config.rec_reduction, config.rec_weight
-        self.cache_config = trained_reading(codec)  # one forward attends over reconstructions only
+        self.served = config.reading == "served"
+        # "reconstructed": one forward attends over reconstructions only; "served": the prompt reads itself
+        # exact, the rest reads the prompt's reconstruction (and its own exact kv, as a prefill chunk would)
+        self.cache_config = codec.config.replace(mode="standalone", new_kv="exact") if self.served else trained_reading(codec)
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        p = served_split(input_ids.shape[1]) if self.served else 0  # torch's RNG: checkpointed, so resumable
         teacher = None
         if self.loss_kind == "rec+kd":
             with torch.no_grad():  # the full cache's distribution: the target, not something to train
-                teacher = self.model(input_ids=input_ids).logits[:, :-1].float().log_softmax(-1)
+                teacher = self.model(input_ids=input_ids).logits[:, p:-1].float().log_softmax(-1)
         cache = ResidualKVCache.from_model(self.model, self.codec, self.cache_config)
         terms = cache.collect_rec_loss()
+        if self.served:
+            cache.keep_grad_history()
+            # the prompt: its attention reads exact kv, so the backbone keeps no graph here; only the
+            # codec's writes do, which the rest's loss reaches through the history it reads
+            self.model(input_ids=input_ids[:, :p], cache=cache, use_cache=True, logits_to_keep=1)
+        scored = input_ids[:, p:]
         wants_ntp = self.loss_kind != "rec"
         # logits_to_keep=1 under --loss rec: the KV is all it needs, so skip most of the LM head
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True,
-                         labels=input_ids if wants_ntp else None, logits_to_keep=0 if wants_ntp else 1)
+        out = self.model(input_ids=scored, cache=cache, use_cache=True,
+                         labels=scored if wants_ntp else None, logits_to_keep=0 if wants_ntp else 1)
         rec = self._reduce(torch.stack(terms).sum(), input_ids) if terms else input_ids.new_zeros((), dtype=torch.float32)
         ntp = out.loss.float() if wants_ntp else rec.new_zeros(())
         result = {"rec": rec.detach(), "ntp": ntp.detach()}
@@ -600,7 +628,8 @@ class CodecTrainer:
         if self.accelerator.is_main_process:
             codec = self.accelerator.unwrap_model(self.objective).codec
             codec.extra = dict(codec.extra) | {"training": self.summary(stopped_early, metrics)}
-            codec.config = codec.config.replace(new_kv="reconstructed")  # served the way it was trained
+            # served the way it was trained: reading "served" is the exact-prefill reading
+            codec.config = codec.config.replace(new_kv="exact" if self.config.reading == "served" else "reconstructed")
             codec.save(path)
         return path
 
@@ -614,7 +643,7 @@ class CodecTrainer:
         stride = max(1, math.ceil(len(hist) / 100))
         return {
             "steps": st.step, "total_steps": st.total_steps, "stopped_early": stopped_early, "tokens": st.tokens,
-            "train_seconds": round(st.train_seconds, 1), "loss": cfg.loss, "rec_reduction": cfg.rec_reduction,
+            "train_seconds": round(st.train_seconds, 1), "loss": cfg.loss, "reading": cfg.reading, "rec_reduction": cfg.rec_reduction,
             "rec_weight": cfg.rec_weight, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "grad_accum": cfg.grad_accum, "lr": cfg.lr, "seed": cfg.seed, "bits": self.codec.config.bits,
             "init": cfg.init, "init_from": cfg.init_from, "recall_spans": cfg.recall_spans,
@@ -721,4 +750,4 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
-           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_split", "READINGS", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
