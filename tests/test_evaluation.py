@@ -256,6 +256,46 @@ def test_summarize_rel_score_definition():
     assert silent["full"]["rel_score"] is None and silent["x"]["rel_score"] is None
 
 
+def test_rkv_pool_scores_several_runs_as_one_and_counts_shared_samples_once(tmp_path, capsys):
+    from residualkv.cli import main
+
+    def rec(m, sample, task, answer, score, seed, pred=None):
+        return {"method": m, "context_len": 10, "id": sample, "task": task, "answers": [answer], "score": score,
+                "prediction": pred or f"{m} {score}", "seed": seed, "kr_measured": 1.0 if m == "full" else 0.2,
+                "kr_formula": None, "cr": 1.0, "wall_s": 1.0, "prompt_tokens": 10, "prefill_s": 1.0, "decode_s": 1.0,
+                "decode_steps": 2, "new_tokens": 3}
+
+    # two seeds (ids restart at 0 each seed) and, at seed 1, two jobs run side by side that share the full rows
+    seed0 = [rec("full", "a-0", "a", "111", 1.0, 0), rec("x", "a-0", "a", "111", 0.0, 0),
+             rec("full", "b-0", "b", "222", 1.0, 0), rec("x", "b-0", "b", "222", 1.0, 0)]
+    job1 = [rec("full", "a-0", "a", "333", 1.0, 1), rec("x", "a-0", "a", "333", 1.0, 1)]
+    job2 = [rec("full", "a-0", "a", "333", 1.0, 1), rec("y", "a-0", "a", "333", 0.0, 1)]
+    files = []
+    for name, run in (("s0", seed0), ("j1", job1), ("j2", job2)):
+        files.append(tmp_path / f"{name}_predictions.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in run))
+    out = tmp_path / "pooled" / "rows.json"
+    assert main(["pool", *map(str, files), "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert all(k in r for r in rows.values() for k in CONTRACT)
+    assert rows["full"]["n_samples"] == 3  # the full rows the two seed-1 jobs share count once
+    assert rows["x"]["n_samples"] == 3 and rows["y"]["n_samples"] == 1
+    assert rows["x"]["tasks"] == {"a": 0.5, "b": 1.0} and rows["x"]["rel_score"] == pytest.approx(0.75)
+    assert rows["y"]["tasks"]["a"] == 0.0 and rows["x"]["seeds"] == [0, 1]
+    assert len((tmp_path / "pooled" / "rows_predictions.jsonl").read_text().splitlines()) == 3 + 3 + 1
+    assert main(["pool", *map(str, files), "--methods", "y", "--json", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())] == ["full", "y"]
+    # one sample, one method name, two different answers: two codecs evaluated under one name
+    clash = tmp_path / "clash_predictions.jsonl"
+    clash.write_text(json.dumps(rec("x", "a-0", "a", "333", 0.0, 1, pred="other")) + "\n")
+    with pytest.raises(SystemExit, match="two different answers under method 'x'"):
+        main(["pool", str(files[1]), str(clash), "--json", str(out)])
+    assert main(["pool", str(files[1]), f"{clash}:y", "--json", str(out)]) == 0  # ':METHODS' takes only those
+    assert {r["method"]: r["n_samples"] for r in json.loads(out.read_text())} == {"full": 1, "x": 1}
+    with pytest.raises(SystemExit, match="no such predictions file"):
+        main(["pool", str(tmp_path / "missing.jsonl"), "--json", str(out)])
+
+
 def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
     samples = [Sample(id=f"s{i}", task=t, context=f"The code is {i}{i}{i}. " + "Filler text. " * 30,
                       question="What is the code?", answers=[f"{i}{i}{i}"], max_new_tokens=3)
@@ -278,6 +318,7 @@ def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
     assert snap["kr_measured"] < 0.6 and snap["cr"] < 1.0
     preds = [json.loads(x) for x in (tmp_path / "run_predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 2 * 3 * 4 and all(p["prompt_tokens"] <= p["context_len"] for p in preds)
+    assert {p["seed"] for p in preds} == {0}  # what `rkv pool` tells seeds apart by
     assert "| method |" in (tmp_path / "run.md").read_text()
 
 

@@ -3,6 +3,7 @@
     rkv eval --backbone smollm2-135m --methods full,kivi2,snapkv,residualkv --context-len 2048,4096 --json out/eval.json
     rkv eval --methods full,kivi4 --tasks my_tasks.jsonl --json out/mine.json
     rkv eval --methods full,residualkv --suite ppl --ppl-context 4096 --ppl-tokens 128 --json out/ppl.json
+    rkv pool out/seed0_predictions.jsonl out/seed1_predictions.jsonl --json out/pooled.json
 
 Contract (other tools rely on it): OUT is a JSON list of rows with at least
 method, kr_measured, cr, score, rel_score (plus context_len, per-task scores, ppl, time). Without
@@ -67,6 +68,61 @@ def register(subparsers) -> None:
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=cmd_eval)
+
+    p = subparsers.add_parser("pool", help="pool the per-sample predictions of several rkv eval runs into one result",
+                              description="Scores over more samples than one run holds (e.g. --seed 0 and --seed 1 runs, "
+                                          "or methods run as parallel jobs): rows as rkv eval writes them, computed "
+                                          "from every sample of every run, shared samples counted once.")
+    p.add_argument("predictions", nargs="+", metavar="RUN_predictions.jsonl[:METHODS]",
+                   help="the _predictions.jsonl of each run; ':m1,m2' after a file takes only those methods from it "
+                        "(and its full-cache rows), e.g. when another run scored a different variant under the same name")
+    p.add_argument("--methods", default=None, help="comma list: pool only these methods (the full cache is always kept)")
+    p.add_argument("--json", required=True, metavar="OUT", help="write the pooled rows here (the rkv eval contract)")
+    p.set_defaults(func=cmd_pool)
+
+
+def cmd_pool(args) -> int:
+    import json
+
+    from .harness import REFERENCE, pool_records, summarize
+    from .report import markdown_table, write_outputs
+
+    runs = []
+    for spec in args.predictions:
+        f, only = Path(spec), None
+        if not f.is_file() and ":" in spec and Path(spec.rsplit(":", 1)[0]).is_file():
+            path, names = spec.rsplit(":", 1)
+            f, only = Path(path), {m.strip() for m in names.split(",") if m.strip()} | {REFERENCE}
+        if not f.is_file():
+            raise SystemExit(f"{spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl next to --json)")
+        try:
+            run = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{spec}: not a predictions JSONL ({err})") from None
+        runs.append(run if only is None else [r for r in run if r.get("method") in only])
+    if args.methods:  # before pooling: a run may hold another variant under a name left out here
+        wanted = {m.strip() for m in args.methods.split(",") if m.strip()} | {REFERENCE}
+        runs = [[r for r in run if r.get("method") in wanted] for run in runs]
+    try:
+        records = pool_records(runs)
+    except (KeyError, TypeError) as err:
+        raise SystemExit(f"a predictions row lacks the field {err}: pass the _predictions.jsonl files of rkv eval runs") from None
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    if REFERENCE not in methods:
+        raise SystemExit(f"no {REFERENCE!r} rows in these runs: scores are relative to the full cache, which every rkv eval run records")
+    lengths = list(dict.fromkeys(r.get("context_len") for r in records))
+    rows = summarize(records, {}, methods, lengths)
+    sources = [str(p) for p in args.predictions]
+    for r in rows:
+        r.update({"pooled_from": sources, "seeds": sorted({x.get("seed") for x in records if x.get("seed") is not None})})
+    json_path = Path(args.json)
+    write_outputs(rows, json_path=json_path, stem=json_path.stem, records=records)
+    print(markdown_table(rows))
+    print(f"[rkv pool] {len(records)} samples from {len(runs)} runs -> {json_path} (+ .csv, .md, plot, predictions)",
+          file=sys.stderr)
+    return 0
 
 
 def cmd_eval(args) -> int:

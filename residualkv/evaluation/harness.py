@@ -248,7 +248,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                         "answers": sample.answers, "metric": sample.metric, "prompt_tokens": len(ids),
                         "new_tokens": len(g.token_ids), "max_new_tokens": budget, "prefill_s": g.prefill_s,
                         "decode_s": g.decode_s, "decode_steps": g.decode_steps, "wall_s": wall, "kr_measured": rep["kr_measured"],
-                        "kr_formula": rep.get("kr_formula"), "cr": rep["cr"],
+                        "kr_formula": rep.get("kr_formula"), "cr": rep["cr"], "seed": seed,
                     })
                     del cache
                     bar.update(1)
@@ -285,6 +285,24 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
 
         write_outputs(rows, out_dir=out_dir, stem=stem, json_path=json_path, records=records)
     return rows
+
+
+def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The per-sample records of several runs (predictions files) as one run, for scores over more samples
+    than one run holds: a sample that several runs share (the full cache's rows of jobs run side by side on
+    the same seed) counts once. A sample is (method, context length, id, answers, seed): ids restart at 0
+    every seed, the answers do not. Refuses a sample that two runs answered differently under one method
+    name (two codecs evaluated as `residualkv`): pooling them would mix methods."""
+    pooled: dict[tuple, dict[str, Any]] = {}
+    for run in runs:
+        for r in run:
+            key = (r["method"], r.get("context_len"), r["id"], tuple(r["answers"]), r.get("seed"))
+            old = pooled.setdefault(key, r)
+            if old is not r and (old["prediction"], old["score"]) != (r["prediction"], r["score"]):
+                raise ValueError(f"sample {r['id']} (context {r.get('context_len')}) has two different answers under "
+                                 f"method {r['method']!r}: {old['prediction']!r} and {r['prediction']!r}; these runs "
+                                 "evaluated different things under one name, pool them separately")
+    return list(pooled.values())
 
 
 def _mean(xs):
