@@ -154,6 +154,20 @@ def test_served_reading_scores_the_rest_of_a_block_through_the_prompts_compresse
     result = train_codec(model, codec, packed.train, tmp_path / "run", fast(steps=2, reading="served"), progress=False)
     saved = ResidualCodec.load(result.codec_path, model_config=model.config)
     assert saved.config.new_kv == "exact" and saved.extra["training"]["reading"] == "served"
+    # held-out metrics read it the same way: the second half of each block through the first half's history
+    blocks = torch.tensor(packed.heldout[0:2]["input_ids"])
+    m = heldout_metrics(model, saved, blocks)
+    h = SEQ // 2
+    with torch.no_grad():
+        full = sum(float(model(input_ids=b[None], labels=torch.cat([torch.full((1, h + 1), -100), b[None, h + 1:]], 1)).loss)
+                   for b in blocks) / 2
+        mine = 0.0
+        for b in blocks:
+            cache = ResidualKVCache.from_model(model, saved)
+            model(input_ids=b[None, :h], cache=cache, use_cache=True)
+            mine += float(model(input_ids=b[None, h:], cache=cache, use_cache=True, labels=b[None, h:]).loss) / 2
+    assert m["eval/scored_from"] == h and m["eval/ntp_full"] == pytest.approx(full, rel=1e-5)
+    assert m["eval/ntp_codec"] == pytest.approx(mine, rel=1e-5)
     with pytest.raises(TrainError, match="reading"):
         fast(reading="prefix")
 

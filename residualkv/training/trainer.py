@@ -658,11 +658,27 @@ class CodecTrainer:
             print(f"[rkv train] {message}", flush=True)
 
 
-def _logprobs(model: nn.Module, ids: torch.Tensor, codec: ResidualCodec | None) -> torch.Tensor:
-    """(T-1, V) next-token log-probabilities of one sequence, through `codec`'s cache as trained
-    (teacher-forced) or through the full cache when `codec` is None."""
-    kw = {"cache": ResidualKVCache.from_model(model, codec, trained_reading(codec)), "use_cache": True} if codec is not None else {}
-    return model(input_ids=ids[None], **kw).logits[0, :-1].float().log_softmax(-1)
+def served_start(codec: ResidualCodec | None, seq_len: int) -> int:
+    """Where held-out scoring starts for `codec`: 0 for the seed's reading (teacher-forced, every token
+    reconstructed); half the block for a codec served with `new_kv: exact` (reading "served"): the first
+    half prefilled exact and stored compressed, the second half scored through it, as trained."""
+    return seq_len // 2 if codec is not None and codec.config.new_kv == "exact" else 0
+
+
+def _logprobs(model: nn.Module, ids: torch.Tensor, codec: ResidualCodec | None, start: int = 0) -> torch.Tensor:
+    """(T-1-start, V) log-probabilities of tokens start+1..T-1 of one sequence: through the full cache when
+    `codec` is None, else through `codec`'s cache read as it was trained (start 0: teacher-forced, every
+    token reconstructed; start > 0: tokens [0, start) prefilled exact, the rest read that compressed history)."""
+    if codec is None:
+        logits = model(input_ids=ids[None]).logits[0, start:-1]
+    elif start == 0:
+        logits = model(input_ids=ids[None], cache=ResidualKVCache.from_model(model, codec, trained_reading(codec)),
+                       use_cache=True).logits[0, :-1]
+    else:
+        cache = ResidualKVCache.from_model(model, codec, codec.config.replace(mode="standalone", new_kv="exact"))
+        model(input_ids=ids[None, :start], cache=cache, use_cache=True, logits_to_keep=1)
+        logits = model(input_ids=ids[None, start:], cache=cache, use_cache=True).logits[0, :-1]
+    return logits.float().log_softmax(-1)
 
 
 def _nll(ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:  # per predicted token, (T-1,)
@@ -684,18 +700,23 @@ def heldout_losses(model: nn.Module, blocks: torch.Tensor, codec: ResidualCodec 
         return {"blocks": blocks.shape[0]}
     g = torch.Generator().manual_seed(0)
     total = 0.0
+    # the copies sit in the second half: scoring from served_start still scores every copied token
+    start = served_start(codec, blocks.shape[1])
     for ids in blocks:
         copied, mask = insert_recalls(ids[None].cpu(), EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN, g)
         copied = copied[0].to(ids.device)
-        total += float(_nll(copied, _logprobs(model, copied, codec))[mask[0, 1:].to(ids.device)].mean())
+        lp = _logprobs(model, copied, codec, start)
+        total += float(_nll(copied[start:], lp)[mask[0, start + 1:].to(ids.device)].mean())
     return {"recall_nll": total / blocks.shape[0], "blocks": blocks.shape[0]}
 
 
 @torch.no_grad()
 def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor,
                     full: dict[str, float] | None = None) -> dict[str, float]:
-    """The codec against the full cache on held-out `blocks` (N, T), teacher-forced (standalone: every
-    token reconstructed, as trained): next-token loss of the text through both caches (whether the codec
+    """The codec against the full cache on held-out `blocks` (N, T), read as the codec was trained
+    (`served_start`: teacher-forced with every token reconstructed, or, for a codec served with the
+    prompt read exact, the second half of each block scored through the first half's compressed
+    history; both caches are scored on the same tokens, from `eval/scored_from`): next-token loss of the text through both caches (whether the codec
     keeps language modelling), the mean per-token KL from the full cache's next-token distribution to the
     codec's (whether the model keeps saying what it said: a codec can lower the loss on text like its
     training corpus by changing the model; the KL counts that), and the recall probe (`heldout_losses`:
@@ -707,15 +728,16 @@ def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor
     if full.get("blocks") != n:
         raise ValueError(f"full: losses of {full.get('blocks')} blocks given for {n} blocks")
     sums = {"full": 0.0, "codec": 0.0, "kl": 0.0}
+    start = served_start(codec, blocks.shape[1])
     for ids in blocks:
-        teacher, student = _logprobs(model, ids, None), _logprobs(model, ids, codec)
-        sums["full"] += float(_nll(ids, teacher).mean())
-        sums["codec"] += float(_nll(ids, student).mean())
+        teacher, student = _logprobs(model, ids, None, start), _logprobs(model, ids, codec, start)
+        sums["full"] += float(_nll(ids[start:], teacher).mean())
+        sums["codec"] += float(_nll(ids[start:], student).mean())
         sums["kl"] += float(token_kl(teacher, student))
         del teacher, student  # vocabulary-sized: free them before the next block's
     m = {k: v / n for k, v in sums.items()}
     out = {"eval/ntp_full": m["full"], "eval/ntp_codec": m["codec"], "eval/ppl_ratio": math.exp(m["codec"] - m["full"]),
-           "eval/kl": m["kl"], "eval/blocks": n}
+           "eval/kl": m["kl"], "eval/blocks": n, "eval/scored_from": start}
     mine = heldout_losses(model, blocks, codec)
     if "recall_nll" in mine:
         out |= {"eval/recall_nll_full": full["recall_nll"], "eval/recall_nll_codec": mine["recall_nll"],
@@ -750,4 +772,4 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
-           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_split", "READINGS", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_split", "served_start", "READINGS", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
