@@ -266,10 +266,10 @@ def test_rkv_pool_scores_several_runs_as_one_and_counts_shared_samples_once(tmp_
                 "decode_steps": 2, "new_tokens": 3}
 
     # two seeds (ids restart at 0 each seed) and, at seed 1, two jobs run side by side that share the full rows
-    seed0 = [rec("full", "a-0", "a", "111", 1.0, 0), rec("x", "a-0", "a", "111", 0.0, 0),
+    seed0 = [rec("full", "a-0", "a", "111", 0.0, 0), rec("x", "a-0", "a", "111", 0.0, 0),
              rec("full", "b-0", "b", "222", 1.0, 0), rec("x", "b-0", "b", "222", 1.0, 0)]
     job1 = [rec("full", "a-0", "a", "333", 1.0, 1), rec("x", "a-0", "a", "333", 1.0, 1)]
-    job2 = [rec("full", "a-0", "a", "333", 1.0, 1), rec("y", "a-0", "a", "333", 0.0, 1)]
+    job2 = [rec("full", "a-0", "a", "333", 1.0, 1), rec("y", "a-0", "a", "333", 0.5, 1)]
     files = []
     for name, run in (("s0", seed0), ("j1", job1), ("j2", job2)):
         files.append(tmp_path / f"{name}_predictions.jsonl")
@@ -280,8 +280,10 @@ def test_rkv_pool_scores_several_runs_as_one_and_counts_shared_samples_once(tmp_
     assert all(k in r for r in rows.values() for k in CONTRACT)
     assert rows["full"]["n_samples"] == 3  # the full rows the two seed-1 jobs share count once
     assert rows["x"]["n_samples"] == 3 and rows["y"]["n_samples"] == 1
-    assert rows["x"]["tasks"] == {"a": 0.5, "b": 1.0} and rows["x"]["rel_score"] == pytest.approx(0.75)
-    assert rows["y"]["tasks"]["a"] == 0.0 and rows["x"]["seeds"] == [0, 1]
+    assert rows["x"]["tasks"] == {"a": 0.5, "b": 1.0} and rows["x"]["rel_score"] == pytest.approx(1.0)
+    assert rows["full"]["tasks"] == {"a": 0.5, "b": 1.0} and rows["x"]["seeds"] == [0, 1]
+    # y ran one sample only: relative to the full cache on that sample (1.0), not on all of full's (0.5)
+    assert rows["y"]["tasks"] == {"a": 0.5} and rows["y"]["rel_score"] == pytest.approx(0.5)
     assert len((tmp_path / "pooled" / "rows_predictions.jsonl").read_text().splitlines()) == 3 + 3 + 1
     assert main(["pool", *map(str, files), "--methods", "y", "--json", str(out)]) == 0
     assert [r["method"] for r in json.loads(out.read_text())] == ["full", "y"]

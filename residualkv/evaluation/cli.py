@@ -84,7 +84,7 @@ def register(subparsers) -> None:
 def cmd_pool(args) -> int:
     import json
 
-    from .harness import REFERENCE, pool_records, summarize
+    from .harness import REFERENCE, pool_records, pooled_rows
     from .report import markdown_table, write_outputs
 
     runs = []
@@ -109,11 +109,9 @@ def cmd_pool(args) -> int:
         raise SystemExit(f"a predictions row lacks the field {err}: pass the _predictions.jsonl files of rkv eval runs") from None
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    methods = list(dict.fromkeys(r["method"] for r in records))
-    if REFERENCE not in methods:
+    if not any(r["method"] == REFERENCE for r in records):
         raise SystemExit(f"no {REFERENCE!r} rows in these runs: scores are relative to the full cache, which every rkv eval run records")
-    lengths = list(dict.fromkeys(r.get("context_len") for r in records))
-    rows = summarize(records, {}, methods, lengths)
+    rows = pooled_rows(records)
     sources = [str(p) for p in args.predictions]
     for r in rows:
         r.update({"pooled_from": sources, "seeds": sorted({x.get("seed") for x in records if x.get("seed") is not None})})

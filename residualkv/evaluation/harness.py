@@ -305,6 +305,27 @@ def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any
     return list(pooled.values())
 
 
+def pooled_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Contract rows from pooled records (`pool_records`): each method scored relative to the full cache
+    on the samples that method ran (runs pooled from different sets give methods different samples), the
+    full cache's own row over all of its samples."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    lengths = list(dict.fromkeys(r.get("context_len") for r in records))
+
+    def key(r):
+        return r.get("context_len"), r["id"], tuple(r["answers"]), r.get("seed")
+
+    rows = [r for r in summarize(records, {}, [REFERENCE], lengths)]
+    for m in methods:
+        if m == REFERENCE:
+            continue
+        mine = {key(r) for r in records if r["method"] == m}
+        same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and key(r) in mine)]
+        rows += [r for r in summarize(same, {}, [REFERENCE, m], lengths) if r["method"] == m and r["n_samples"]]
+    order = {(m, L): i for i, (L, m) in enumerate((L, m) for L in lengths for m in methods)}
+    return sorted(rows, key=lambda r: order[(r["method"], r["context_len"])])
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
