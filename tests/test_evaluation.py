@@ -454,32 +454,3 @@ def test_rkv_eval_cli_needs_a_codec_only_when_asked(tmp_path):
                           env=env)
     assert proc.returncode != 0 and "rkv train --backbone smollm2-135m" in proc.stderr
     assert not (tmp_path / "x.json").exists()
-
-
-def test_docqa_builder_writes_a_user_jsonl_whose_answers_are_in_the_context(tmp_path, tok):
-    """benchmarks/make_docqa.py: the offline stand-in for a user's task file (issue #4), run through load_jsonl."""
-    import importlib.util
-
-    from residualkv.evaluation.samples import load_jsonl
-
-    spec = importlib.util.spec_from_file_location("make_docqa", ROOT / "benchmarks" / "make_docqa.py")
-    make_docqa = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_docqa)
-    out = tmp_path / "docqa.jsonl"
-    assert make_docqa.main(["--tokens", "1024", "--n", "2", "--seed", "3", "--tokenizer", str(SMOL), "--out", str(out)]) == 0
-    samples = load_jsonl(out)
-    assert [s.task for s in samples] == ["doc_continue"] * 2 + ["doc_source"] * 2
-    for s in samples:
-        n = len(encode_prompt(tok, s))
-        assert 0.75 * 1024 <= n <= 1024 and s.metric == "all" and s.max_new_tokens == 16
-        quote = s.question.split('"')[1]
-        assert s.context.count(quote) == 1  # the question points at one place
-        if s.task == "doc_continue":
-            assert f"{quote} {s.answers[0]}" in s.context  # a verbatim copy of the next words scores
-        else:
-            assert s.context.count(f"## {s.answers[0]}\n") == 1
-            before = s.context[: s.context.index(quote)]
-            assert before.rsplit("## ", 1)[1].split("\n", 1)[0] == s.answers[0]  # the heading of the quote's section
-    again = tmp_path / "again.jsonl"
-    make_docqa.main(["--tokens", "1024", "--n", "2", "--seed", "3", "--tokenizer", str(SMOL), "--out", str(again)])
-    assert again.read_text() == out.read_text()  # deterministic for a seed
