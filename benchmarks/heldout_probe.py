@@ -1,7 +1,9 @@
 """Codecs side by side on held-out text and on a recall probe (SmolLM2-135M, CPU, teacher-forced).
 
-For each codec: next-token loss of held-out blocks of the training corpus through the compressed cache
-(standalone: every token reconstructed) against the full cache, and the same on a recall probe, the
+For each codec: next-token loss of held-out blocks of the training corpus through the compressed cache,
+read as the codec was trained (standalone, every token reconstructed; or, for a codec trained with
+`--reading served`, the second half of each block scored through the first half's compressed history,
+`eval/scored_from`), against the full cache on the same tokens, and the same on a recall probe, the
 blocks with copies of their own earlier text (4 spans of 24 tokens), scored only on the copied tokens a
 model can predict by looking the source up. The text metric says whether a codec keeps language
 modelling; the KL (full cache -> codec, per token, on the text) whether it keeps the model saying what

@@ -56,3 +56,6 @@ run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --conte
 run $RKV eval --backbone smollm2-135m --codec "$CODEC" --suite synthetic --context-len 4096 --n-samples 1 --ppl-tokens 0 \
   --methods full,omnikv-r10 --threads "$THREADS" --no-progress --json "$OUT/synthetic_4k_omnikv.json"
 for p in "${pids[@]}"; do wait "$p"; done  # a failed job fails the script
+# every sample of a length in one result (each method relative to the full cache on the samples it ran)
+$RKV pool "$OUT"/synthetic_2k{,_seed1,_omnikv}_predictions.jsonl --json "$OUT/synthetic_2k_pooled.json" >/dev/null
+$RKV pool "$OUT"/synthetic_4k{,_seed1,_omnikv}_predictions.jsonl --json "$OUT/synthetic_4k_pooled.json" >/dev/null
