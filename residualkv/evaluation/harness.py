@@ -315,15 +315,14 @@ def pooled_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def key(r):
         return r.get("context_len"), r["id"], tuple(r["answers"]), r.get("seed")
 
-    rows = [r for r in summarize(records, {}, [REFERENCE], lengths)]
+    rows = summarize(records, {}, [REFERENCE], lengths)
     for m in methods:
         if m == REFERENCE:
             continue
         mine = {key(r) for r in records if r["method"] == m}
         same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and key(r) in mine)]
         rows += [r for r in summarize(same, {}, [REFERENCE, m], lengths) if r["method"] == m and r["n_samples"]]
-    order = {(m, L): i for i, (L, m) in enumerate((L, m) for L in lengths for m in methods)}
-    return sorted(rows, key=lambda r: order[(r["method"], r["context_len"])])
+    return sorted(rows, key=lambda r: (lengths.index(r["context_len"]), methods.index(r["method"])))
 
 
 def _mean(xs):

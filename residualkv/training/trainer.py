@@ -160,12 +160,26 @@ def trained_reading(codec: ResidualCodec):
     return codec.config.replace(mode="standalone", new_kv="reconstructed")
 
 
-def served_split(seq_len: int, generator: torch.Generator | None = None) -> int:
+def served_reading(codec: ResidualCodec):
+    """The cache config of reading 'served': a forward call's own tokens read exact (a prompt prefill, or a
+    chunk after it), the history written by earlier calls read back from the compressed store."""
+    return codec.config.replace(mode="standalone", new_kv="exact")
+
+
+def served_split(seq_len: int) -> int:
     """Where reading 'served' splits a block: prompt = tokens [0, p), scored rest = [p, seq_len), p drawn
-    uniformly from the middle half so both sides are long (the prompt: history to retrieve from; the rest:
-    tokens whose loss reads it)."""
+    (torch's RNG) uniformly from the middle half so both sides are long (the prompt: history to retrieve
+    from; the rest: tokens whose loss reads it)."""
     lo, hi = seq_len // 4, max(seq_len // 4 + 1, (3 * seq_len) // 4)
-    return int(torch.randint(lo, hi, (1,), generator=generator))
+    return int(torch.randint(lo, hi, (1,)))
+
+
+def served_forward(model: nn.Module, cache: ResidualKVCache, ids: torch.Tensor, start: int, **kwargs):
+    """Reading 'served' of ids (B, T): tokens [0, start) prefilled (their attention reads their exact kv;
+    the cache stores them compressed), then tokens [start, T) run through that compressed history; returns
+    the second call's output (`kwargs`: labels, logits_to_keep...)."""
+    model(input_ids=ids[:, :start], cache=cache, use_cache=True, logits_to_keep=1)
+    return model(input_ids=ids[:, start:], cache=cache, use_cache=True, **kwargs)
 
 
 def token_kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -183,7 +197,7 @@ class CodecObjective(nn.Module):
         self.served = config.reading == "served"
         # "reconstructed": one forward attends over reconstructions only; "served": the prompt reads itself
         # exact, the rest reads the prompt's reconstruction (and its own exact kv, as a prefill chunk would)
-        self.cache_config = codec.config.replace(mode="standalone", new_kv="exact") if self.served else trained_reading(codec)
+        self.cache_config = served_reading(codec) if self.served else trained_reading(codec)
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         p = served_split(input_ids.shape[1]) if self.served else 0  # torch's RNG: checkpointed, so resumable
@@ -193,16 +207,16 @@ class CodecObjective(nn.Module):
                 teacher = self.model(input_ids=input_ids).logits[:, p:-1].float().log_softmax(-1)
         cache = ResidualKVCache.from_model(self.model, self.codec, self.cache_config)
         terms = cache.collect_rec_loss()
-        if self.served:
-            cache.keep_grad_history()
-            # the prompt: its attention reads exact kv, so the backbone keeps no graph here; only the
-            # codec's writes do, which the rest's loss reaches through the history it reads
-            self.model(input_ids=input_ids[:, :p], cache=cache, use_cache=True, logits_to_keep=1)
-        scored = input_ids[:, p:]
         wants_ntp = self.loss_kind != "rec"
         # logits_to_keep=1 under --loss rec: the KV is all it needs, so skip most of the LM head
-        out = self.model(input_ids=scored, cache=cache, use_cache=True,
-                         labels=scored if wants_ntp else None, logits_to_keep=0 if wants_ntp else 1)
+        kw = {"labels": input_ids[:, p:] if wants_ntp else None, "logits_to_keep": 0 if wants_ntp else 1}
+        if self.served:
+            # the prompt's attention reads exact kv, so the backbone keeps no graph there; only the codec's
+            # writes do, and the rest's loss reaches them through the history it reads
+            cache.keep_grad_history()
+            out = served_forward(self.model, cache, input_ids, p, **kw)
+        else:
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=True, **kw)
         rec = self._reduce(torch.stack(terms).sum(), input_ids) if terms else input_ids.new_zeros((), dtype=torch.float32)
         ntp = out.loss.float() if wants_ntp else rec.new_zeros(())
         result = {"rec": rec.detach(), "ntp": ntp.detach()}
@@ -675,9 +689,8 @@ def _logprobs(model: nn.Module, ids: torch.Tensor, codec: ResidualCodec | None, 
         logits = model(input_ids=ids[None], cache=ResidualKVCache.from_model(model, codec, trained_reading(codec)),
                        use_cache=True).logits[0, :-1]
     else:
-        cache = ResidualKVCache.from_model(model, codec, codec.config.replace(mode="standalone", new_kv="exact"))
-        model(input_ids=ids[None, :start], cache=cache, use_cache=True, logits_to_keep=1)
-        logits = model(input_ids=ids[None, start:], cache=cache, use_cache=True).logits[0, :-1]
+        cache = ResidualKVCache.from_model(model, codec, served_reading(codec))
+        logits = served_forward(model, cache, ids[None], start).logits[0, :-1]
     return logits.float().log_softmax(-1)
 
 
@@ -716,9 +729,9 @@ def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor
     """The codec against the full cache on held-out `blocks` (N, T), read as the codec was trained
     (`served_start`: teacher-forced with every token reconstructed, or, for a codec served with the
     prompt read exact, the second half of each block scored through the first half's compressed
-    history; both caches are scored on the same tokens, from `eval/scored_from`): next-token loss of the text through both caches (whether the codec
-    keeps language modelling), the mean per-token KL from the full cache's next-token distribution to the
-    codec's (whether the model keeps saying what it said: a codec can lower the loss on text like its
+    history; both caches are scored on the same tokens, from `eval/scored_from`): next-token loss of the
+    text through both caches (whether the codec keeps language modelling), the mean per-token KL from the
+    full cache's next-token distribution to the codec's (whether the model keeps saying what it said: a codec can lower the loss on text like its
     training corpus by changing the model; the KL counts that), and the recall probe (`heldout_losses`:
     whether it keeps the exact look-ups retrieval tasks make). `full`: the full cache's
     `heldout_losses(model, blocks)` when the caller already has it (the text needs both caches' full
@@ -772,4 +785,5 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
-           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_split", "served_start", "READINGS", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_reading", "served_split",
+           "served_forward", "served_start", "READINGS", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
