@@ -210,14 +210,14 @@ class ResidualStore:
         cfg = self.cfg
         if self.ref_ord is not None:
             return self.read_selected(self.visible_ordinals(), rope)
+        if self.grad_history is not None:  # training: nothing decoded, the kept reconstruction is read
+            return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
         refs = self.decoded_refs()
         if refs is None:
             return torch.empty(0)
         B, _, d = refs.shape
         self.refs_decoded += refs.shape[0] * refs.shape[1]
         self.codes_decoded += 0 if self.codes is None else self.codes.codes.shape[0] * self.codes.codes.shape[1]
-        if self.grad_history is not None:
-            return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
         out = refs.new_empty(B, self.n, d)
         is_ref = self.schedule.is_ref(0, self.n).to(refs.device)
         out[:, is_ref] = refs

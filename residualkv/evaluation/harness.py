@@ -287,16 +287,21 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     return rows
 
 
+def _sample_key(record: dict[str, Any]) -> tuple:
+    """One sample of a predictions record: ids restart at 0 every seed, the answers do not."""
+    return record.get("context_len"), record["id"], tuple(record["answers"]), record.get("seed")
+
+
 def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The per-sample records of several runs (predictions files) as one run, for scores over more samples
     than one run holds: a sample that several runs share (the full cache's rows of jobs run side by side on
-    the same seed) counts once. A sample is (method, context length, id, answers, seed): ids restart at 0
-    every seed, the answers do not. Refuses a sample that two runs answered differently under one method
-    name (two codecs evaluated as `residualkv`): pooling them would mix methods."""
+    the same seed) counts once (a sample: `_sample_key`, per method). Refuses a sample that two runs
+    answered differently under one method name (two codecs evaluated as `residualkv`): pooling them would
+    mix methods."""
     pooled: dict[tuple, dict[str, Any]] = {}
     for run in runs:
         for r in run:
-            key = (r["method"], r.get("context_len"), r["id"], tuple(r["answers"]), r.get("seed"))
+            key = (r["method"], *_sample_key(r))
             old = pooled.setdefault(key, r)
             if old is not r and (old["prediction"], old["score"]) != (r["prediction"], r["score"]):
                 raise ValueError(f"sample {r['id']} (context {r.get('context_len')}) has two different answers under "
@@ -311,16 +316,12 @@ def pooled_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     full cache's own row over all of its samples."""
     methods = list(dict.fromkeys(r["method"] for r in records))
     lengths = list(dict.fromkeys(r.get("context_len") for r in records))
-
-    def key(r):
-        return r.get("context_len"), r["id"], tuple(r["answers"]), r.get("seed")
-
     rows = summarize(records, {}, [REFERENCE], lengths)
     for m in methods:
         if m == REFERENCE:
             continue
-        mine = {key(r) for r in records if r["method"] == m}
-        same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and key(r) in mine)]
+        mine = {_sample_key(r) for r in records if r["method"] == m}
+        same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and _sample_key(r) in mine)]
         rows += [r for r in summarize(same, {}, [REFERENCE, m], lengths) if r["method"] == m and r["n_samples"]]
     return sorted(rows, key=lambda r: (lengths.index(r["context_len"]), methods.index(r["method"])))
 

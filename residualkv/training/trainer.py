@@ -204,7 +204,9 @@ class CodecObjective(nn.Module):
         teacher = None
         if self.loss_kind == "rec+kd":
             with torch.no_grad():  # the full cache's distribution: the target, not something to train
-                teacher = self.model(input_ids=input_ids).logits[:, p:-1].float().log_softmax(-1)
+                # logits of the scored positions only (logits_to_keep counts from the end)
+                teacher = self.model(input_ids=input_ids, logits_to_keep=input_ids.shape[1] - p).logits[:, :-1]
+                teacher = teacher.float().log_softmax(-1)
         cache = ResidualKVCache.from_model(self.model, self.codec, self.cache_config)
         terms = cache.collect_rec_loss()
         wants_ntp = self.loss_kind != "rec"
@@ -640,10 +642,10 @@ class CodecTrainer:
         path = self.out_dir / CODEC
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            codec = self.accelerator.unwrap_model(self.objective).codec
+            objective = self.accelerator.unwrap_model(self.objective)
+            codec = objective.codec
             codec.extra = dict(codec.extra) | {"training": self.summary(stopped_early, metrics)}
-            # served the way it was trained: reading "served" is the exact-prefill reading
-            codec.config = codec.config.replace(new_kv="exact" if self.config.reading == "served" else "reconstructed")
+            codec.config = codec.config.replace(new_kv=objective.cache_config.new_kv)  # served the way it was trained
             codec.save(path)
         return path
 
@@ -684,7 +686,7 @@ def _logprobs(model: nn.Module, ids: torch.Tensor, codec: ResidualCodec | None, 
     `codec` is None, else through `codec`'s cache read as it was trained (start 0: teacher-forced, every
     token reconstructed; start > 0: tokens [0, start) prefilled exact, the rest read that compressed history)."""
     if codec is None:
-        logits = model(input_ids=ids[None]).logits[0, start:-1]
+        logits = model(input_ids=ids[None], logits_to_keep=ids.shape[0] - start).logits[0, :-1]
     elif start == 0:
         logits = model(input_ids=ids[None], cache=ResidualKVCache.from_model(model, codec, trained_reading(codec)),
                        use_cache=True).logits[0, :-1]
@@ -731,8 +733,9 @@ def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor
     prompt read exact, the second half of each block scored through the first half's compressed
     history; both caches are scored on the same tokens, from `eval/scored_from`): next-token loss of the
     text through both caches (whether the codec keeps language modelling), the mean per-token KL from the
-    full cache's next-token distribution to the codec's (whether the model keeps saying what it said: a codec can lower the loss on text like its
-    training corpus by changing the model; the KL counts that), and the recall probe (`heldout_losses`:
+    full cache's next-token distribution to the codec's (whether the model keeps saying what it said: a
+    codec can lower the loss on text like its training corpus by changing the model; the KL counts that),
+    and the recall probe (`heldout_losses`:
     whether it keeps the exact look-ups retrieval tasks make). `full`: the full cache's
     `heldout_losses(model, blocks)` when the caller already has it (the text needs both caches' full
     distributions, so only the probe's full-cache half can be reused)."""
@@ -786,4 +789,5 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
            "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_reading", "served_split",
-           "served_forward", "served_start", "READINGS", "freeze_backbone", "enable_mlp_checkpointing", "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "served_forward", "served_start", "READINGS", "freeze_backbone", "enable_mlp_checkpointing",
+           "zero_decoders", "linear_warmup_decay", "LOSSES"]
