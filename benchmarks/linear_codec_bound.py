@@ -18,6 +18,7 @@ Writes benchmarks/results/linear_codec_bound.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -29,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from residualkv import accounting  # noqa: E402
 from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.cli import base_config  # noqa: E402
@@ -57,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-c", default="96,128,192,256")
     p.add_argument("--alpha", default="1.0,0.1", help="1.0 = plain PCA; < 1 mixes in the Fisher metric")
     p.add_argument("--blocks", type=int, default=24, help="512-token training blocks for the statistics")
+    p.add_argument("--group-size", default=None,
+                   help="latent quantisation group sizes to try (comma list; default the YAML's); a size must divide d_c")
+    p.add_argument("--value-weight", default="1", help="comma list: weight of value errors in the metric (weighted_pca)")
+    p.add_argument("--rotate", default="no",
+                   help="'no', 'yes' or 'no,yes': also try the code turned by a random orthogonal d_c x d_c matrix "
+                        "(spreads the leading components' variance over all coordinates, so one quantisation "
+                        "group can span the whole latent; bytes unchanged, the matrix folds into the weights)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=128, help="held-out tokens scored one by one after the context")
     p.add_argument("--threads", type=int, default=2)
@@ -81,21 +90,40 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"d_c": None, "alpha": None, "method": "full",
              **cache_perplexity(model, DynamicCache(config=model.config), ids, args.context)}]
     print(f"full cache: ppl {rows[0]['ppl']:.3f}", flush=True)
-    for alpha in [float(a) for a in args.alpha.split(",")]:
-        for d_c in [int(d) for d in args.d_c.split(",")]:
-            codec = ResidualCodec.for_model(model.config, cfg, d_c=d_c, d_ff=8, backbone=spec.name)
-            kept = []
-            for i in codec.layer_ids:
-                x, m = residuals[i]
-                enc, dec, share = weighted_pca(x - m, fim[i], d_c, alpha)
-                codec.layers[str(i)] = LinearLayerCodec(codec.dims, enc, dec)
-                kept.append(share)
-            r = cache_perplexity(model, ResidualKVCache.from_model(model, codec, cfg.replace(mode="standalone")),
-                                 ids, args.context)
-            rows.append({"d_c": d_c, "alpha": alpha, "method": "plain PCA" if alpha == 1 else "Fisher-weighted PCA",
-                         "energy_kept": sum(kept) / len(kept), **r, "ppl_rel": r["ppl"] / rows[0]["ppl"]})
-            print(f"alpha {alpha:g} d_c {d_c}: ppl {r['ppl']:.3f} (x{r['ppl'] / rows[0]['ppl']:.3f}), "
-                  f"energy kept {sum(kept) / len(kept):.3f}", flush=True)
+    groups = [int(g) for g in args.group_size.split(",")] if args.group_size else [cfg.group_size]
+    rotations = [r.strip() == "yes" for r in args.rotate.split(",")]
+    weights = [float(w) for w in args.value_weight.split(",")]
+    for alpha, d_c, group, rotate, vw in itertools.product([float(a) for a in args.alpha.split(",")],
+                                                           [int(d) for d in args.d_c.split(",")], groups, rotations,
+                                                           weights):
+        if d_c % group:
+            continue
+        codec = ResidualCodec.for_model(model.config, cfg, d_c=d_c, d_ff=8, backbone=spec.name)
+        kept, split = [], []
+        for i in codec.layer_ids:
+            x, m = residuals[i]
+            enc, dec, share = weighted_pca(x - m, fim[i], d_c, alpha, vw)
+            res = x - m  # plain relative error energy of the keys and values the code leaves (unquantised)
+            e = res - res @ enc @ dec.T
+            h = res.shape[1] // 2
+            split.append((float(e[:, :h].pow(2).sum() / x[:, :h].pow(2).sum()),
+                          float(e[:, h:].pow(2).sum() / x[:, h:].pow(2).sum())))
+            if rotate:
+                q = torch.linalg.qr(torch.randn(d_c, d_c, generator=torch.Generator().manual_seed(i)))[0]
+                enc, dec = enc @ q, dec @ q  # decoder weight is [2d_k, d_c]: z·q·qᵀ·Wᵀ = z·Wᵀ
+            codec.layers[str(i)] = LinearLayerCodec(codec.dims, enc, dec)
+            kept.append(share)
+        cache = ResidualKVCache.from_model(model, codec, cfg.replace(mode="standalone", group_size=group))
+        r = cache_perplexity(model, cache, ids, args.context)
+        kr = accounting.report(cache)["kr_measured"]
+        rows.append({"d_c": d_c, "alpha": alpha, "group_size": group, "rotated": rotate, "value_weight": vw,
+                     "key_error": sum(k for k, _ in split) / len(split), "value_error": sum(v for _, v in split) / len(split),
+                     "kr_measured": kr,
+                     "method": "plain PCA" if alpha == 1 else "Fisher-weighted PCA",
+                     "energy_kept": sum(kept) / len(kept), **r, "ppl_rel": r["ppl"] / rows[0]["ppl"]})
+        print(f"alpha {alpha:g} d_c {d_c} group {group}{' rotated' if rotate else ''} value weight {vw:g}: "
+              f"key error {rows[-1]['key_error']:.4f}, value error {rows[-1]['value_error']:.4f}, ppl {r['ppl']:.3f} (x{r['ppl'] / rows[0]['ppl']:.3f}), "
+              f"KR {kr:.2%}, energy kept {sum(kept) / len(kept):.3f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backbone": spec.name, "blocks": args.blocks, "context": args.context,

@@ -249,6 +249,8 @@ def test_resume_refuses_changed_settings(tmp_path, packed):
         train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=5), progress=False)
     with pytest.raises(TrainError, match="--steps N"):
         TrainConfig(steps=None, minutes=None)
+    with pytest.raises(TrainError, match="value_weight"):
+        TrainConfig(steps=1, value_weight=0)
 
 
 def test_codec_refuses_a_model_with_another_config(tmp_path):
@@ -488,6 +490,21 @@ def test_weighted_pca_is_optimal_and_reduces_to_pca():
     enc, dec, _ = weighted_pca(r, fisher, d_c=1, alpha=0.0)
     rec = (r @ enc) @ dec.T
     assert (rec[:, -1] - r[:, -1]).abs().max() < 1e-3
+
+
+def test_weighted_pca_value_weight_moves_the_code_to_the_values():
+    from residualkv.training.warmstart import weighted_pca
+
+    torch.manual_seed(0)
+    r = torch.randn(4000, 12)  # keys = the first 6 coordinates, values = the last 6, equal energy
+    errors = {}
+    for w in (1.0, 9.0):
+        enc, dec, _ = weighted_pca(r, torch.eye(12), d_c=6, alpha=1.0, value_weight=w)
+        e = r - (r @ enc) @ dec.T
+        errors[w] = (e[:, :6].pow(2).mean().item(), e[:, 6:].pow(2).mean().item())
+    # weighted 9:1, the 6 dimensions go to the values: almost no value error, the keys' energy lost instead
+    assert errors[9.0][1] < 0.05 * errors[1.0][1] + 1e-3
+    assert errors[9.0][0] > errors[1.0][0]
 
 
 def test_fisher_pca_init_fits_the_encoder_and_beats_the_random_codec(tmp_path, packed):

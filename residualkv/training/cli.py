@@ -54,6 +54,9 @@ def register(subparsers) -> None:
                    help="rec-warmstart: optimizer steps; fisher-pca: encoder-fit steps per layer")
     t.add_argument("--fisher-alpha", type=float, default=0.1,
                    help="fisher-pca: share of the plain metric mixed into the Fisher metric (0..1)")
+    t.add_argument("--value-weight", type=float, default=1.0,
+                   help="fisher-pca: how many times an error in the values counts against one in the keys "
+                        "(retrieval leans on values more than the next-token Fisher says; BENCHMARKS.md)")
     t.add_argument("--warmstart-blocks", type=int, default=32)
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
     t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
@@ -138,7 +141,7 @@ def cmd_train(args) -> int:
                          reading=args.reading,
                          rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
                          warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
-                         fisher_alpha=args.fisher_alpha, recall_spans=args.recall_spans,
+                         fisher_alpha=args.fisher_alpha, value_weight=args.value_weight, recall_spans=args.recall_spans,
                          recall_span_len=args.recall_span_len, init_from=args.init_from,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
                          ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)

@@ -94,6 +94,7 @@ class TrainConfig:
     warmstart_steps: int = 500  # rec-warmstart: optimizer steps; fisher-pca: encoder-fit steps per layer
     warmstart_blocks: int = 32
     fisher_alpha: float = 0.1  # fisher-pca: weight of the plain (unweighted) metric mixed into the Fisher
+    value_weight: float = 1.0  # fisher-pca: how many times a value error counts against a key error
     bf16: bool = False
     grad_checkpointing: bool = False
     seed: int = 0
@@ -126,6 +127,7 @@ class TrainConfig:
         _check(self.warmstart_steps >= 1 and self.warmstart_blocks >= 1, "warmstart_steps", self.warmstart_steps,
                "use at least one warm-start step and block")
         _check(0 <= self.fisher_alpha <= 1, "fisher_alpha", self.fisher_alpha, "use a weight in [0, 1] (default 0.1)")
+        _check(self.value_weight > 0, "value_weight", self.value_weight, "use a positive weight (1: keys and values alike)")
         _check(self.eval_blocks >= 0, "eval_blocks", self.eval_blocks, "use 0 or more held-out blocks")
         _check((self.init == "codec") == bool(self.init_from), "init_from", self.init_from,
                "init 'codec' goes on from a saved codec: give both init: codec and init_from: DIR_OR_URI, or neither")
@@ -389,7 +391,8 @@ class CodecTrainer:
             if config.init == "rec-warmstart":
                 self.warmstart = warm_start(model, codec, blocks, lr=config.lr, **common)
             else:
-                self.warmstart = fisher_pca_init(model, codec, blocks, alpha=config.fisher_alpha, **common)
+                self.warmstart = fisher_pca_init(model, codec, blocks, alpha=config.fisher_alpha,
+                                                 value_weight=config.value_weight, **common)
         self.codec, self.train_data = codec, train_data
         self.sampler = EpochSampler(len(train_data), config.seed)
         loader = DataLoader(train_data.with_format("torch", columns=["input_ids"]), batch_size=config.batch_size,
@@ -662,7 +665,9 @@ class CodecTrainer:
             "train_seconds": round(st.train_seconds, 1), "loss": cfg.loss, "reading": cfg.reading, "rec_reduction": cfg.rec_reduction,
             "rec_weight": cfg.rec_weight, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "grad_accum": cfg.grad_accum, "lr": cfg.lr, "seed": cfg.seed, "bits": self.codec.config.bits,
-            "init": cfg.init, "init_from": cfg.init_from, "recall_spans": cfg.recall_spans,
+            "init": cfg.init, "init_from": cfg.init_from,
+            **({"fisher_alpha": cfg.fisher_alpha, "value_weight": cfg.value_weight} if cfg.init == "fisher-pca" else {}),
+            "recall_spans": cfg.recall_spans,
             "recall_span_len": cfg.recall_span_len, "bf16": cfg.bf16, "data": self.data_info,
             "loss_first": avg(hist[:3]), "loss_last": avg(hist[-3:]),
             "loss_history": [[round(v, 6) for v in row] for row in hist[::stride]],

@@ -110,13 +110,19 @@ def residual_pairs(kv: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat([p[0] for p in rec.pairs]), torch.cat([p[1] for p in rec.pairs])
 
 
-def weighted_pca(residuals: torch.Tensor, fisher: torch.Tensor, d_c: int, alpha: float
+def weighted_pca(residuals: torch.Tensor, fisher: torch.Tensor, d_c: int, alpha: float, value_weight: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Encoder map E [d, d_c] and decoder W_d [d, d_c] (nn.Linear layout) minimising E[eᵀ M e] over rank-d_c
-    linear codes, M = (1 − alpha)·F/mean(diag F) + alpha·I; also the share of M-weighted energy kept."""
+    linear codes, M = D((1 − alpha)·F/mean(diag F) + alpha·I)D with D = 1 on the key half and
+    √value_weight on the value half (errors in values count value_weight times); also the share of
+    M-weighted energy kept."""
     d = residuals.shape[1]
     m = fisher.double() / (fisher.double().trace() / d)
     m = (1 - alpha) * m + alpha * torch.eye(d, dtype=torch.float64)
+    if value_weight != 1.0:
+        scale = torch.ones(d, dtype=torch.float64)
+        scale[d // 2:] = value_weight ** 0.5
+        m = scale[:, None] * m * scale[None, :]
     ev, q = torch.linalg.eigh(m)
     ev = ev.clamp(min=1e-8 * float(ev.max()))
     m_half, m_inv_half = q @ torch.diag(ev.sqrt()) @ q.T, q @ torch.diag(ev.rsqrt()) @ q.T
@@ -151,7 +157,8 @@ def fit_encoder(codec: LayerCodec, x: torch.Tensor, m: torch.Tensor, target: tor
         return float((codec.f_c(x[val]) - codec.f_c(m[val]) - target[val]).pow(2).mean() / target[val].pow(2).mean())
 
 
-def fisher_pca_init(model, codec: ResidualCodec, blocks: torch.Tensor, *, alpha: float = 0.1, steps: int = 150,
+def fisher_pca_init(model, codec: ResidualCodec, blocks: torch.Tensor, *, alpha: float = 0.1, value_weight: float = 1.0,
+                    steps: int = 150,
                     batch: int = 512, lr: float = 3e-3, seed: int = 0,
                     on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                     progress: bool = True) -> dict[str, float]:
@@ -167,7 +174,7 @@ def fisher_pca_init(model, codec: ResidualCodec, blocks: torch.Tensor, *, alpha:
     bar = tqdm(codec.layer_ids, desc="fisher-pca: fit each layer's codec", disable=not progress)
     for i in bar:
         x, m = residual_pairs(kv.pop(i), codec.config)
-        enc, dec, share = weighted_pca(x - m, fim[i], codec.dims.d_c, alpha)
+        enc, dec, share = weighted_pca(x - m, fim[i], codec.dims.d_c, alpha, value_weight)
         layer = codec.layer(i)
         with torch.no_grad():
             layer.w_d.weight.copy_(dec)

@@ -1,0 +1,67 @@
+"""Which half of a codec's error costs retrieval: its keys or its values? (diagnostic, CPU)
+
+Runs `rkv eval` with every ResidualKV store patched so that attention reads one half of each coded
+layer's history exact (the other half as the codec reconstructs it):
+
+    python benchmarks/kv_half_probe.py keys   -- --methods full,residualkv --context-len 2048 --json OUT
+    python benchmarks/kv_half_probe.py values -- --methods full,residualkv --context-len 2048 --json OUT
+
+`keys`: pre-RoPE keys exact, values reconstructed; `values`: the reverse. The exact half is held beside
+the store and is **not counted**: the KR these rows report is the codec's, not what the diagnostic held,
+so the rows rank where the codec's error hurts, they are not a method. References keep their FP8 round
+trip in both (the half read exact is the float original). Standalone reads only (torch path); OmniKV or
+SnapKV modes raise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from residualkv import cache as cache_mod  # noqa: E402
+from residualkv.cli import main as rkv_main  # noqa: E402
+
+
+def patch(half: str) -> None:
+    store = cache_mod.ResidualStore
+    write, read = store.write, store.read
+
+    def exact_slice(d: int) -> slice:
+        return slice(0, d // 2) if half == "keys" else slice(d // 2, d)
+
+    def patched_write(self, kv: torch.Tensor) -> torch.Tensor:
+        new = write(self, kv).clone()
+        s = exact_slice(kv.shape[-1])
+        new[..., s] = kv[..., s].float()
+        self.exact_half = kv[..., s].float() if getattr(self, "exact_half", None) is None \
+            else torch.cat([self.exact_half, kv[..., s].float()], dim=1)
+        return new
+
+    def patched_read(self, rope=None):
+        if self.ref_ord is not None or self.grad_history is not None:
+            raise RuntimeError("kv_half_probe diagnoses standalone reads only")
+        out = read(self, None)
+        if out.numel():
+            out[..., exact_slice(out.shape[-1])] = self.exact_half
+        return out if rope is None else cache_mod._rotate_rest(out, rope, None)
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("kv_half_probe diagnoses standalone reads only (no OmniKV/SnapKV selection)")
+
+    store.write, store.read, store.read_selected = patched_write, patched_read, refuse
+
+
+def main() -> int:
+    if len(sys.argv) < 3 or sys.argv[1] not in ("keys", "values") or sys.argv[2] != "--":
+        raise SystemExit(__doc__)
+    patch(sys.argv[1])
+    return rkv_main(["eval", *sys.argv[3:]])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
