@@ -42,6 +42,8 @@ def rel(err: torch.Tensor, x: torch.Tensor) -> float:
 @torch.no_grad()
 def budget(codec: ResidualCodec, kv: dict[int, torch.Tensor]) -> list[dict]:
     cfg = codec.config
+    n_tokens = next(iter(kv.values())).shape[1]  # every layer holds the same blocks: one schedule for all
+    is_ref = ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha).is_ref(0, n_tokens)
     rows = []
     for i in codec.layer_ids:
         x, m = residual_pairs(kv[i], cfg)
@@ -49,9 +51,7 @@ def budget(codec: ResidualCodec, kv: dict[int, torch.Tensor]) -> list[dict]:
         z = layer.encode(x, m).float()
         unq = layer.decode(z).float() + m
         q = layer.decode(dequantize(quantize(z, cfg.bits, cfg.group_size), cfg.bits, cfg.group_size)).float() + m
-        seq = kv[i]
-        is_ref = ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha).is_ref(0, seq.shape[1])
-        refs = seq[:, is_ref].reshape(-1, seq.shape[-1])
+        refs = kv[i][:, is_ref].reshape(-1, kv[i].shape[-1])
         d = x.shape[-1] // 2
         for half, s in (("keys", slice(0, d)), ("values", slice(d, None))):
             rows.append({"layer": i, "half": half,
