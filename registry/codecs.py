@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from residualkv.codec import META, WEIGHTS, CodecError, ResidualCodec, sha256_file
 
 from . import env
-from .store import client, experiment_id, retrying
+from .store import client, experiment_id, retrying, store_lock
 
 from mlflow.entities import Metric, RunTag  # noqa: E402  (after env.configure via .store)
 from mlflow.exceptions import MlflowException  # noqa: E402
@@ -163,8 +163,12 @@ def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: M
                 raise RegistryError(f"{name} v{version}: registered artifacts differ from the codec that was logged")
             ResidualCodec.load(path)
         retrying(c.set_model_version_tag, name, version, COMPLETE_TAG, "true")
-        # The alias only ever points at complete versions.
-        retrying(c.set_registered_model_alias, name, CANDIDATE, version)
+        # The alias only ever points at complete versions, and at the newest one: parallel
+        # registrations complete in any order.
+        with store_lock("aliases"):
+            current = _alias_version(c, name, CANDIDATE)
+            if current is None or int(current) < int(version):
+                retrying(c.set_registered_model_alias, name, CANDIDATE, version)
         if own_run:
             retrying(c.set_terminated, run_id, "FINISHED")
         return RegisteredCodec(name=name, version=version, run_id=run_id, source=source)
@@ -349,21 +353,50 @@ def promote_if_not_worse(name: str, version: str | int, rule: PromotionRule | No
     version = str(version)
     cand = retrying(c.get_model_version, name, version)
     cand_m = version_metrics(cand)
-    try:
-        champ = retrying(c.get_model_version_by_alias, name, CHAMPION)
-    except MlflowException:
-        champ = None
-    champ_m = dict(champion_metrics) if champion_metrics is not None else (version_metrics(champ) if champ else {})
-
-    promoted, reason = _decide(rule, cand, cand_m, champ, champ_m, champion_metrics is not None)
-    decision = PromotionDecision(name=name, candidate=version, champion_before=str(champ.version) if champ else None,
+    with store_lock("aliases"):
+        for _ in range(_PROMOTE_ATTEMPTS):
+            champ = _alias(c, name, CHAMPION)
+            champ_m = dict(champion_metrics) if champion_metrics is not None else (version_metrics(champ) if champ else {})
+            promoted, reason = _decide(rule, cand, cand_m, champ, champ_m, champion_metrics is not None)
+            if not promoted:
+                break
+            # Only a tracking server (no store lock) lets another flow move the champion after our read.
+            now = _alias(c, name, CHAMPION)
+            if _version(now) == _version(champ):
+                retrying(c.set_registered_model_alias, name, CHAMPION, version)
+                break
+            if champion_metrics is not None:
+                promoted, reason = False, (f"the champion moved from v{_version(champ)} to v{_version(now)} while this "
+                                           "decision was made; champion_metrics describe the old one: re-evaluate the "
+                                           "new champion on the candidate's suite and promote again")
+                break
+        else:
+            promoted, reason = False, (f"the champion moved {_PROMOTE_ATTEMPTS} times while this decision was made "
+                                       "(other flows promoting at once); promote again")
+    decision = PromotionDecision(name=name, candidate=version, champion_before=_version(champ),
                                  promoted=promoted, reason=reason, rule=asdict(rule),
                                  candidate_metrics={k: cand_m[k] for k in rule.metrics() if k in cand_m},
                                  champion_metrics={k: champ_m[k] for k in rule.metrics() if k in champ_m})
-    if promoted:
-        retrying(c.set_registered_model_alias, name, CHAMPION, version)
     _log_decision(decision, cand)
     return decision
+
+
+_PROMOTE_ATTEMPTS = 5
+
+
+def _alias(c, name: str, alias: str):
+    try:
+        return retrying(c.get_model_version_by_alias, name, alias)
+    except MlflowException:
+        return None
+
+
+def _alias_version(c, name: str, alias: str) -> str | None:
+    return _version(_alias(c, name, alias))
+
+
+def _version(mv) -> str | None:
+    return str(mv.version) if mv is not None else None
 
 
 def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: bool) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ the driver's timeout gets `database is locked`, and two writers racing for the s
 version number get an IntegrityError that MLflow retries only three times. Both are transient:
 `retrying` repeats the call with jittered backoff. Creating the schema (MLflow's alembic
 migrations) is not safe to run twice at once, so the first client in a fresh store takes a file lock.
+Moving an alias (read the current target, decide, write) takes `store_lock` for the same reason.
 """
 
 from __future__ import annotations
@@ -66,6 +67,23 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def store_lock(purpose: str) -> Iterator[None]:
+    """Serialise a read-decide-write sequence among the processes that share an embedded SQLite store.
+
+    MLflow has no compare-and-set on aliases, so without this two flows promoting at once both compare
+    against the same champion and the last alias write wins. With a tracking server there is no shared
+    file to lock; callers re-read what they decided on just before writing (see promote_if_not_worse).
+    """
+    uri = env.tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    with _file_lock(db.with_name(f"{db.name}.{purpose}.lock")):
+        yield
 
 
 @lru_cache(maxsize=8)

@@ -115,6 +115,66 @@ def test_promotion_rule_is_explicit_and_logged(store, tmp_path):
     assert d5b.promoted
 
 
+def _promote_two_at_once(store, tmp_path, monkeypatch):
+    """v2 and v3 promoted at once against champion v1; v2's decision stalls until v3's promotion ends."""
+    import threading
+
+    from registry import codecs
+
+    suite = {"suite": "unit"}
+    regs = [store.register_codec(make_codec(tmp_path / f"c{i}", seed=i), suite=suite,
+                                 metrics={"rel_score": score, "kr_measured": 0.2})
+            for i, score in enumerate((0.90, 0.92, 0.95), start=1)]
+    assert store.promote_if_not_worse(regs[0].name, "1").promoted
+    v2_deciding, v3_done = threading.Event(), threading.Event()
+    real_decide = codecs._decide
+
+    def decide(rule, cand, *args):
+        result = real_decide(rule, cand, *args)
+        if str(cand.version) == "2":
+            v2_deciding.set()
+            v3_done.wait(timeout=3)  # with the store lock v3 cannot finish meanwhile: the wait times out
+        return result
+
+    monkeypatch.setattr(codecs, "_decide", decide)
+    decisions = {}
+
+    def promote(version, before=None):
+        if before is not None:
+            before.wait(timeout=30)
+        decisions[version] = store.promote_if_not_worse(regs[0].name, version)
+        if version == "3":
+            v3_done.set()
+
+    threads = [threading.Thread(target=promote, args=("2",)), threading.Thread(target=promote, args=("3", v2_deciding))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert str(store.get_version(f"models:/{regs[0].name}@champion").version) == "3"
+    return decisions
+
+
+def test_concurrent_promotions_are_serialised_on_an_embedded_store(store, tmp_path, monkeypatch):
+    decisions = _promote_two_at_once(store, tmp_path, monkeypatch)
+    # v3 waited for v2's whole read-decide-write and was compared against it, not against the stale v1
+    assert decisions["2"].promoted and decisions["2"].champion_before == "1"
+    assert decisions["3"].promoted and decisions["3"].champion_before == "2"
+
+
+def test_concurrent_promotions_recheck_the_champion_without_a_lock(store, tmp_path, monkeypatch):
+    import contextlib
+
+    from registry import codecs
+
+    # a tracking server: no shared file to lock, so only the re-read before the alias write protects
+    monkeypatch.setattr(codecs, "store_lock", lambda purpose: contextlib.nullcontext())
+    decisions = _promote_two_at_once(store, tmp_path, monkeypatch)
+    assert decisions["3"].promoted and decisions["3"].champion_before == "1"
+    assert not decisions["2"].promoted and decisions["2"].champion_before == "3"
+    assert "worse than the champion: rel_score 0.9200 < champion 0.9500" in decisions["2"].reason
+
+
 def test_corrupted_artifact_is_refused(store, tmp_path):
     reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
     stored = Path(reg.source.removeprefix("file://")) / WEIGHTS
@@ -230,6 +290,7 @@ def test_eight_concurrent_registrations_yield_eight_versions(store, tmp_path):
     listed = store.list_versions("rkv-concurrent")
     assert [int(v.version) for v in listed] == list(range(1, 9))
     assert all(v.tags.get("rkv.complete") == "true" for v in listed)
+    assert str(store.get_version("models:/rkv-concurrent@candidate").version) == "8"  # the newest, whatever finished last
     shas = {v.tags["sha256"] for v in listed}
     assert len(shas) == 8  # each version carries its own codec
     for v in listed:
