@@ -74,8 +74,9 @@ def store_lock(purpose: str) -> Iterator[None]:
     """Serialise a read-decide-write sequence among the processes that share an embedded SQLite store.
 
     MLflow has no compare-and-set on aliases, so without this two flows promoting at once both compare
-    against the same champion and the last alias write wins. With a tracking server there is no shared
-    file to lock; callers re-read what they decided on just before writing (see promote_if_not_worse).
+    against the same champion and the last alias write wins. With a tracking server, or a database
+    server other machines write too, there is no shared file to lock; callers re-read what they decided
+    on just before writing (see promote_if_not_worse), which narrows the race but cannot close it.
     """
     uri = env.tracking_uri()
     if not uri.startswith("sqlite:///"):
