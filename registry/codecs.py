@@ -166,7 +166,7 @@ def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: M
         # The alias only ever points at complete versions, and at the newest one: parallel
         # registrations complete in any order.
         with store_lock("aliases"):
-            current = _alias_version(c, name, CANDIDATE)
+            current = _version(_alias(c, name, CANDIDATE))
             if current is None or int(current) < int(version):
                 retrying(c.set_registered_model_alias, name, CANDIDATE, version)
         if own_run:
@@ -360,7 +360,7 @@ def promote_if_not_worse(name: str, version: str | int, rule: PromotionRule | No
             promoted, reason = _decide(rule, cand, cand_m, champ, champ_m, champion_metrics is not None)
             if not promoted:
                 break
-            # Only a tracking server (no store lock) lets another flow move the champion after our read.
+            # Only an unlocked store (a server, see store_lock) lets another flow move the champion after our read.
             now = _alias(c, name, CHAMPION)
             if _version(now) == _version(champ):
                 retrying(c.set_registered_model_alias, name, CHAMPION, version)
@@ -389,10 +389,6 @@ def _alias(c, name: str, alias: str):
         return retrying(c.get_model_version_by_alias, name, alias)
     except MlflowException:
         return None
-
-
-def _alias_version(c, name: str, alias: str) -> str | None:
-    return _version(_alias(c, name, alias))
 
 
 def _version(mv) -> str | None:

@@ -70,7 +70,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 @contextmanager
-def store_lock(purpose: str) -> Iterator[None]:
+def store_lock(purpose: str, uri: str | None = None) -> Iterator[None]:
     """Serialise a read-decide-write sequence among the processes that share an embedded SQLite store.
 
     MLflow has no compare-and-set on aliases, so without this two flows promoting at once both compare
@@ -78,7 +78,7 @@ def store_lock(purpose: str) -> Iterator[None]:
     server other machines write too, there is no shared file to lock; callers re-read what they decided
     on just before writing (see promote_if_not_worse), which narrows the race but cannot close it.
     """
-    uri = env.tracking_uri()
+    uri = uri or env.tracking_uri()
     if not uri.startswith("sqlite:///"):
         yield
         return
@@ -90,8 +90,7 @@ def store_lock(purpose: str) -> Iterator[None]:
 @lru_cache(maxsize=8)
 def _client_for(tracking_uri: str, registry_uri: str) -> MlflowClient:
     if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri.removeprefix("sqlite:///"))
-        with _file_lock(db.with_name(db.name + ".init.lock")):
+        with store_lock("init", tracking_uri):
             # Building the store runs the schema migrations on a fresh file; one process at a time.
             client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
             retrying(client.search_experiments, max_results=1)
