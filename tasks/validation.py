@@ -8,7 +8,7 @@ Benchmark table (one row per method and context length, from the evaluation harn
     (method, context_len) unique, score and every per-task score in [0, 1], rel_score finite and >= 0
     (absent only when the full cache scores 0 on every task: nothing to be relative to),
     kr_measured in (0, 1.05], cr in [0, 1], ppl > 0 when present; every requested method present;
-    the full cache's rel_score is 1.
+    the full cache's rel_score is 1; rel_score's bootstrap interval, where present, ordered and >= 0.
 
 `validate_*` return the validated DataFrame or raise `TableValidationError`, whose message is a
 table of the failed checks with the offending methods; the flow stops on it and registers nothing.
@@ -56,8 +56,17 @@ def kr_cr_schema(methods: Sequence[str], beta: float, kr_tol: float, cr_slack: f
         keeps_full_layers = df["method"].map(lambda m: _is_residual(m) or str(m).startswith("omnikv"))
         return (df["cr"] >= beta - cr_slack) | ~keeps_full_layers
 
+    for col in ("rel_score_ci_lo", "rel_score_ci_hi"):
+        columns[col] = pa.Column(float, pa.Check.ge(0.0), coerce=True, required=False, nullable=True)
+
     def no_missing_methods(df: pd.DataFrame) -> bool:
         return set(requested) <= set(df["method"])
+
+    def ordered_interval(df: pd.DataFrame) -> bool:
+        if "rel_score_ci_lo" not in df:
+            return True
+        both = df["rel_score_ci_lo"].notna() & df["rel_score_ci_hi"].notna()
+        return bool((df.loc[both, "rel_score_ci_lo"] <= df.loc[both, "rel_score_ci_hi"]).all())
 
     return pa.DataFrameSchema(
         {
@@ -94,14 +103,24 @@ def benchmark_schema(methods: Sequence[str], task_columns: Iterable[str] = (), f
     for col in task_columns:
         columns[col] = pa.Column(float, pa.Check.in_range(0.0, 1.0), coerce=True, nullable=False)
 
+    for col in ("rel_score_ci_lo", "rel_score_ci_hi"):
+        columns[col] = pa.Column(float, pa.Check.ge(0.0), coerce=True, required=False, nullable=True)
+
     def no_missing_methods(df: pd.DataFrame) -> bool:
         return set(requested) <= set(df["method"])
+
+    def ordered_interval(df: pd.DataFrame) -> bool:
+        if "rel_score_ci_lo" not in df:
+            return True
+        both = df["rel_score_ci_lo"].notna() & df["rel_score_ci_hi"].notna()
+        return bool((df.loc[both, "rel_score_ci_lo"] <= df.loc[both, "rel_score_ci_hi"]).all())
 
     def full_is_reference(df: pd.DataFrame) -> bool:
         full = df[(df["method"] == full_method) & df["rel_score"].notna()]
         return bool(((full["rel_score"] - 1.0).abs() <= full_tol).all())
 
-    checks = [pa.Check(no_missing_methods, name=f"every requested method present: {requested}")]
+    checks = [pa.Check(no_missing_methods, name=f"every requested method present: {requested}"),
+              pa.Check(ordered_interval, name="rel_score_ci_lo <= rel_score_ci_hi")]
     if full_method in requested:
         checks.append(pa.Check(full_is_reference, name=f"{full_method}.rel_score == 1 (scores are relative to it)"))
     return pa.DataFrameSchema(columns, checks=checks, name="benchmark", strict=False,
@@ -113,6 +132,8 @@ def benchmark_frame(rows: Sequence[dict[str, Any]]) -> tuple[pd.DataFrame, list[
     flat, tasks = [], []
     for row in rows:
         out = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
+        if row.get("rel_score_ci"):
+            out["rel_score_ci_lo"], out["rel_score_ci_hi"] = row["rel_score_ci"]
         for name, value in (row.get("tasks") or {}).items():
             out[f"task_{name}"] = value
             if f"task_{name}" not in tasks:

@@ -256,6 +256,61 @@ def test_summarize_rel_score_definition():
     assert silent["full"]["rel_score"] is None and silent["x"]["rel_score"] is None
 
 
+def _sample_rec(m, sample, task, answer, score, seed, pred=None):
+    return {"method": m, "context_len": 10, "id": sample, "task": task, "answers": [answer], "score": score,
+            "prediction": pred or f"{m} {score}", "seed": seed, "kr_measured": 1.0 if m == "full" else 0.2,
+            "kr_formula": None, "cr": 1.0, "wall_s": 1.0, "prompt_tokens": 10, "prefill_s": 1.0, "decode_s": 1.0,
+            "decode_steps": 2, "new_tokens": 3}
+
+
+def test_bootstrap_interval_and_paired_comparison_by_hand():
+    from residualkv.evaluation.harness import sample_key
+    from residualkv.evaluation.stats import compare, rel_score_interval
+
+    # one task, two samples: full [1, 1], a [1, 1], b [1, 0] -> rel 1.0 and 0.5; a resample holds b's
+    # second sample twice (1/4), once (1/2) or not at all (1/4), so a is ahead in 3/4 + 1/2 * 1/4 = 0.875
+    recs = [_sample_rec(m, f"t-{i}", "t", str(i), s, 0) for m, scores in
+            (("full", (1.0, 1.0)), ("a", (1.0, 1.0)), ("b", (1.0, 0.0))) for i, s in enumerate(scores)]
+    assert rel_score_interval(recs, "a", "full", sample_key) == [1.0, 1.0]  # same answers as full: no spread
+    lo, hi = rel_score_interval(recs, "b", "full", sample_key)
+    assert lo == 0.0 and hi == 1.0
+    c = compare(recs, "a", "b", "full", sample_key)
+    assert c["n_samples"] == 2 and c["difference"] == pytest.approx(0.5) and c["ci"] == [0.0, 1.0]
+    assert c["p_a_ahead"] == pytest.approx(0.875, abs=0.03)
+    assert compare(recs, "a", "b", "full", sample_key) == c  # fixed draws: the same answer every run
+    rows = {r["method"]: r for r in summarize(recs, {}, ["full", "a", "b"], [10])}
+    assert rows["full"]["rel_score_ci"] is None and rows["b"]["rel_score_ci"] == [0.0, 1.0]
+    silent = [_sample_rec(m, "t-0", "t", "0", 0.0, 0) for m in ("full", "a", "b")]
+    assert rel_score_interval(silent, "a", "full", sample_key) is None
+    assert compare(silent, "a", "b", "full", sample_key)["difference"] is None
+
+
+def test_rkv_pool_compares_two_codecs_run_under_one_method_name(tmp_path, capsys):
+    from residualkv.cli import main
+
+    # two codecs, each evaluated as residualkv-standalone; the older file predates the seed field
+    old = [_sample_rec("full", f"t-{i}", "t", str(i), 1.0, None) for i in range(4)]
+    old += [_sample_rec("residualkv-standalone", f"t-{i}", "t", str(i), s, None) for i, s in enumerate((1, 0, 0, 0))]
+    new = [_sample_rec("full", f"t-{i}", "t", str(i), 1.0, 0) for i in range(4)]
+    new += [_sample_rec("residualkv-standalone", f"t-{i}", "t", str(i), s, 0) for i, s in enumerate((1, 1, 1, 0))]
+    files = [tmp_path / "old_predictions.jsonl", tmp_path / "new_predictions.jsonl"]
+    for f, run in zip(files, (old, new)):
+        f.write_text("".join(json.dumps(r) + "\n" for r in run))
+    out = tmp_path / "rows.json"
+    assert main(["pool", f"{files[0]}:residualkv-standalone=base", f"{files[1]}:residualkv-standalone=candidate",
+                 "--compare", "candidate,base", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert rows["full"]["n_samples"] == 4  # the seedless full rows took seed 0 from the same samples
+    assert rows["base"]["rel_score"] == pytest.approx(0.25) and rows["candidate"]["rel_score"] == pytest.approx(0.75)
+    lo, hi = rows["candidate"]["rel_score_ci"]
+    assert 0 <= lo <= 0.75 <= hi <= 1
+    (c,) = json.loads((tmp_path / "rows_compare.json").read_text())
+    assert c["a"] == "candidate" and c["b"] == "base" and c["n_samples"] == 4 and c["difference"] == pytest.approx(0.5)
+    assert "candidate - base at 10 tokens, 4 shared samples: +0.500" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no rows of method"):
+        main(["pool", str(files[1]), "--compare", "candidate,base", "--json", str(out)])
+
+
 def test_rkv_pool_scores_several_runs_as_one_and_counts_shared_samples_once(tmp_path, capsys):
     from residualkv.cli import main
 

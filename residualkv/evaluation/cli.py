@@ -75,16 +75,21 @@ def register(subparsers) -> None:
                                           "from every sample of every run, shared samples counted once.")
     p.add_argument("predictions", nargs="+", metavar="RUN_predictions.jsonl[:METHODS]",
                    help="the _predictions.jsonl of each run; ':m1,m2' after a file takes only those methods from it "
-                        "(and its full-cache rows), e.g. when another run scored a different variant under the same name")
+                        "(and its full-cache rows), e.g. when another run scored a different variant under the same name; "
+                        "':m1=name' takes m1 under another name (two codecs both run as residualkv-standalone)")
     p.add_argument("--methods", default=None, help="comma list: pool only these methods (the full cache is always kept)")
     p.add_argument("--json", required=True, metavar="OUT", help="write the pooled rows here (the rkv eval contract)")
+    p.add_argument("--compare", action="append", default=[], metavar="A,B",
+                   help="rel_score of A minus B on the samples both ran, with a paired bootstrap interval and the "
+                        "share of resamples where A is ahead, per context length (repeatable; written to "
+                        "<OUT stem>_compare.json)")
     p.set_defaults(func=cmd_pool)
 
 
 def cmd_pool(args) -> int:
     import json
 
-    from .harness import REFERENCE, pool_records, pooled_rows
+    from .harness import REFERENCE, pool_records, pooled_rows, sample_key
     from .report import markdown_table, write_outputs
 
     runs = []
@@ -92,14 +97,16 @@ def cmd_pool(args) -> int:
         f, only = Path(spec), None
         if not f.is_file() and ":" in spec and Path(spec.rsplit(":", 1)[0]).is_file():
             path, names = spec.rsplit(":", 1)
-            f, only = Path(path), {m.strip() for m in names.split(",") if m.strip()} | {REFERENCE}
+            # 'method=alias' takes a method under another name: two codecs run as the same method compare
+            picks = [m.strip().split("=", 1) for m in names.split(",") if m.strip()]
+            f, only = Path(path), {pick[0].strip(): pick[-1].strip() for pick in picks} | {REFERENCE: REFERENCE}
         if not f.is_file():
             raise SystemExit(f"{spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl next to --json)")
         try:
             run = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
         except json.JSONDecodeError as err:
             raise SystemExit(f"{spec}: not a predictions JSONL ({err})") from None
-        runs.append(run if only is None else [r for r in run if r.get("method") in only])
+        runs.append(run if only is None else [r | {"method": only[r.get("method")]} for r in run if r.get("method") in only])
     if args.methods:  # before pooling: a run may hold another variant under a name left out here
         wanted = {m.strip() for m in args.methods.split(",") if m.strip()} | {REFERENCE}
         runs = [[r for r in run if r.get("method") in wanted] for run in runs]
@@ -111,6 +118,15 @@ def cmd_pool(args) -> int:
         raise SystemExit(str(err)) from None
     if not any(r["method"] == REFERENCE for r in records):
         raise SystemExit(f"no {REFERENCE!r} rows in these runs: scores are relative to the full cache, which every rkv eval run records")
+    pairs = []
+    for spec in args.compare:
+        names = [m.strip() for m in spec.split(",")]
+        if len(names) != 2 or not all(names):
+            raise SystemExit(f"--compare {spec!r}: give two method names, A,B")
+        missing = [m for m in names if not any(r["method"] == m for r in records)]
+        if missing:
+            raise SystemExit(f"--compare {spec!r}: no rows of method(s) {missing} in these runs")
+        pairs.append(names)
     rows = pooled_rows(records)
     sources = [str(p) for p in args.predictions]
     for r in rows:
@@ -118,6 +134,21 @@ def cmd_pool(args) -> int:
     json_path = Path(args.json)
     write_outputs(rows, json_path=json_path, stem=json_path.stem, records=records)
     print(markdown_table(rows))
+    if pairs:
+        from .stats import compare
+
+        out = []
+        for a, b in pairs:
+            for L in dict.fromkeys(r.get("context_len") for r in records):
+                c = compare([r for r in records if r.get("context_len") == L], a, b, REFERENCE, sample_key)
+                out.append({"context_len": L, **c})
+                if c["difference"] is None:
+                    print(f"{a} - {b} at {L} tokens: no shared samples where the full cache scores")
+                else:
+                    print(f"{a} - {b} at {L} tokens, {c['n_samples']} shared samples: {c['difference']:+.3f} "
+                          f"(95% CI {c['ci'][0]:+.3f} .. {c['ci'][1]:+.3f}); {a} ahead in {c['p_a_ahead']:.0%} "
+                          "of resamples")
+        (json_path.parent / f"{json_path.stem}_compare.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     print(f"[rkv pool] {len(records)} samples from {len(runs)} runs -> {json_path} (+ .csv, .md, plot, predictions)",
           file=sys.stderr)
     return 0

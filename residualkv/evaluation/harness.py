@@ -13,6 +13,8 @@ Per (method, context length) row:
                                 the tasks where the full cache scores > 0 (tasks without signal are left out);
                                 None when the full cache scores 0 on every task. Equals score / full score
                                 when every task has signal; exactly 1.0 for the full cache.
+  rel_score_ci                  [lo, hi]: 95% paired bootstrap interval of rel_score over the samples,
+                                stratified by task (stats.py); None for the full cache and without signal
   tasks / rel_tasks             per-task scores and score / full score (None where the full score is 0)
   ppl, nll, ppl_rel             perplexity through the cache and ppl / full ppl
   time_s, s_per_sample, prefill_tok_s, decode_tok_s   wall-clock figures of this process
@@ -37,6 +39,7 @@ from ..snapkv import SnapKVCache, snapkv_report
 from .perplexity import cache_perplexity, heldout_ids
 from .samples import Sample, encode_prompt, generation_budget
 from .scoring import score as score_prediction
+from .stats import rel_score_interval
 
 REFERENCE = "full"
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
@@ -287,7 +290,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     return rows
 
 
-def _sample_key(record: dict[str, Any]) -> tuple:
+def sample_key(record: dict[str, Any]) -> tuple:
     """One sample of a predictions record: ids restart at 0 every seed, the answers do not."""
     return record.get("context_len"), record["id"], tuple(record["answers"]), record.get("seed")
 
@@ -295,13 +298,22 @@ def _sample_key(record: dict[str, Any]) -> tuple:
 def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The per-sample records of several runs (predictions files) as one run, for scores over more samples
     than one run holds: a sample that several runs share (the full cache's rows of jobs run side by side on
-    the same seed) counts once (a sample: `_sample_key`, per method). Refuses a sample that two runs
+    the same seed) counts once (a sample: `sample_key`, per method). Refuses a sample that two runs
     answered differently under one method name (two codecs evaluated as `residualkv`): pooling them would
-    mix methods."""
+    mix methods. Records written before predictions carried a seed take the seed of the record with
+    the same id and answers, so they pool with newer runs of the same samples."""
+    seeds: dict[tuple, set] = defaultdict(set)
+    for run in runs:
+        for r in run:
+            if r.get("seed") is not None:
+                seeds[sample_key(r)[:3]].add(r["seed"])
     pooled: dict[tuple, dict[str, Any]] = {}
     for run in runs:
         for r in run:
-            key = (r["method"], *_sample_key(r))
+            known = seeds.get(sample_key(r)[:3], set())
+            if r.get("seed") is None and len(known) == 1:
+                r = r | {"seed": next(iter(known))}
+            key = (r["method"], *sample_key(r))
             old = pooled.setdefault(key, r)
             if old is not r and (old["prediction"], old["score"]) != (r["prediction"], r["score"]):
                 raise ValueError(f"sample {r['id']} (context {r.get('context_len')}) has two different answers under "
@@ -320,8 +332,8 @@ def pooled_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in methods:
         if m == REFERENCE:
             continue
-        mine = {_sample_key(r) for r in records if r["method"] == m}
-        same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and _sample_key(r) in mine)]
+        mine = {sample_key(r) for r in records if r["method"] == m}
+        same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and sample_key(r) in mine)]
         rows += [r for r in summarize(same, {}, [REFERENCE, m], lengths) if r["method"] == m and r["n_samples"]]
     return sorted(rows, key=lambda r: (lengths.index(r["context_len"]), methods.index(r["method"])))
 
@@ -376,6 +388,8 @@ def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], 
                 "cr": _mean([r["cr"] for r in kr_src]),
                 "score": score,
                 "rel_score": rel,
+                "rel_score_ci": (rel_score_interval(recs, m, REFERENCE, sample_key)
+                                 if rel is not None and m != REFERENCE and all("id" in r for r in recs) else None),
                 "tasks": {t: scores.get(t) for t in task_names},
                 "rel_tasks": {t: (scores.get(t, 0.0) / ref[t] if t in signal else None) for t in task_names},
                 "tasks_without_signal": [t for t in task_names if t not in signal],

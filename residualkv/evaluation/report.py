@@ -14,6 +14,8 @@ CONTRACT = ("method", "kr_measured", "cr", "score", "rel_score")
 def flat_row(row: dict[str, Any]) -> dict[str, Any]:
     """One CSV line: nested per-task dicts become score_<task> / rel_<task> columns."""
     out = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
+    if row.get("rel_score_ci"):
+        out["rel_score_ci_lo"], out["rel_score_ci_hi"] = row["rel_score_ci"]
     for t, v in (row.get("tasks") or {}).items():
         out[f"score_{t}"] = v
     for t, v in (row.get("rel_tasks") or {}).items():
@@ -43,19 +45,20 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     tasks = list(dict.fromkeys(t for r in rows for t in (r.get("tasks") or {})))
-    head = ["method", "context", "KR (measured)", "KR (formula)", "CR", "score", "rel. score", *tasks,
+    head = ["method", "context", "KR (measured)", "KR (formula)", "CR", "score", "rel. score", "95% CI", *tasks,
             "ppl", "ppl / full", "s / sample", "decode tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], str(r.get("context_len") or "–"), _pct(r.get("kr_measured")), _pct(r.get("kr_formula")),
                  _pct(r.get("cr"), 0), _pct(r.get("score")), _num(r.get("rel_score"), "{:.3f}"),
+                 "–" if not r.get("rel_score_ci") else "{:.2f}–{:.2f}".format(*r["rel_score_ci"]),
                  *[_pct((r.get("tasks") or {}).get(t), 0) for t in tasks],
                  _num(r.get("ppl"), "{:.3f}"), _num(r.get("ppl_rel"), "{:.4f}"), _num(r.get("s_per_sample"), "{:.1f}"),
                  _num(r.get("decode_tok_s"), "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
     notes = ["", "KR: bytes held / bytes of the FP16 full cache, mean over samples after prefill + generation. "
              "Scores: string match (fraction of answers present), mean over tasks. rel. score: relative to the "
-             "full cache over the tasks where it scores > 0."]
+             "full cache over the tasks where it scores > 0; 95% CI: paired bootstrap over the samples, by task."]
     silent = sorted({t for r in rows for t in r.get("tasks_without_signal") or []})
     if silent:
         notes.append(f"Tasks where the full cache scores 0 (left out of rel. score): {', '.join(silent)}.")
