@@ -238,6 +238,8 @@ def log_results(run_id: str, report_dir: str, train: Mapping[str, Any], kr: Mapp
         for key in ("kr_measured", "kr_formula", "cr", "score", "rel_score", "ppl", "ppl_rel", "decode_tok_s"):
             if _finite(r.get(key)):
                 metrics.append(Metric(f"bench/{r['method']}/{key}_ctx{r.get('context_len')}", float(r[key]), now, 0))
+        for bound, value in zip(("lo", "hi"), r.get("rel_score_ci") or ()):  # recorded beside rel_score, not gated
+            metrics.append(Metric(f"bench/{r['method']}/rel_score_ci_{bound}_ctx{r.get('context_len')}", float(value), now, 0))
     for r in kr["rows"]:
         metrics.append(Metric(f"kr_cr/{r['method']}/kr_measured_ctx{r['context_len']}", float(r["kr_measured"]), now, 0))
         metrics.append(Metric(f"kr_cr/{r['method']}/kr_formula_ctx{r['context_len']}", float(r["kr_formula"]), now, 0))

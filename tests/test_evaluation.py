@@ -280,9 +280,11 @@ def test_bootstrap_interval_and_paired_comparison_by_hand():
     assert compare(recs, "a", "b", "full", sample_key) == c  # fixed draws: the same answer every run
     rows = {r["method"]: r for r in summarize(recs, {}, ["full", "a", "b"], [10])}
     assert rows["full"]["rel_score_ci"] is None and rows["b"]["rel_score_ci"] == [0.0, 1.0]
-    silent = [_sample_rec(m, "t-0", "t", "0", 0.0, 0) for m in ("full", "a", "b")]
+    silent = [_sample_rec(m, f"t-{i}", "t", str(i), 0.0, 0) for m in ("full", "a", "b") for i in range(2)]
     assert rel_score_interval(silent, "a", "full", sample_key) is None
     assert compare(silent, "a", "b", "full", sample_key)["difference"] is None
+    single = [r for r in recs if r["id"] == "t-1"]  # one sample per task: resampling cannot vary it
+    assert rel_score_interval(single, "b", "full", sample_key) is None
 
 
 def test_rkv_pool_compares_two_codecs_run_under_one_method_name(tmp_path, capsys):

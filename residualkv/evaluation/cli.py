@@ -143,7 +143,7 @@ def cmd_pool(args) -> int:
                 c = compare([r for r in records if r.get("context_len") == L], a, b, REFERENCE, sample_key)
                 out.append({"context_len": L, **c})
                 if c["difference"] is None:
-                    print(f"{a} - {b} at {L} tokens: no shared samples where the full cache scores")
+                    print(f"{a} - {b} at {L} tokens: too few shared samples (at least 2 per task the full cache scores on)")
                 else:
                     print(f"{a} - {b} at {L} tokens, {c['n_samples']} shared samples: {c['difference']:+.3f} "
                           f"(95% CI {c['ci'][0]:+.3f} .. {c['ci'][1]:+.3f}); {a} ahead in {c['p_a_ahead']:.0%} "

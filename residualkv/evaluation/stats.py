@@ -8,6 +8,8 @@ replacement, and scores the method and the full cache on the same draw (paired: 
 wrong together does not widen the band). The percentile interval of the resampled ratios is reported, and
 for two methods the interval of their difference and the share of resamples in which the first is ahead.
 It describes sampling noise of the prompts only; a retrained codec's own run-to-run spread comes on top.
+A task with one sample cannot vary under resampling, so no interval is given unless every task that
+counts has at least two.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def rel_score_interval(records: Sequence[dict[str, Any]], method: str, reference
     """[lo, hi] of `method`'s rel_score on the samples it and `reference` both ran; None without signal."""
     table = _paired_scores(records, [method, reference], key)
     signal = [t for t, x in table.items() if x[:, 1].mean() > 0]
-    if not signal:
+    if not signal or min(len(table[t]) for t in signal) < 2:
         return None
     means = _resampled_task_means(table, n_boot, seed)
     return _interval(_ratios(means, signal, 0, 1)[1:], level)
@@ -80,7 +82,7 @@ def compare(records: Sequence[dict[str, Any]], a: str, b: str, reference: str, k
     table = _paired_scores(records, [a, b, reference], key)
     n = sum(len(x) for x in table.values())
     signal = [t for t, x in table.items() if x[:, 2].mean() > 0]
-    if not signal:
+    if not signal or min(len(table[t]) for t in signal) < 2:
         return {"a": a, "b": b, "n_samples": n, "difference": None, "ci": None, "p_a_ahead": None}
     means = _resampled_task_means(table, n_boot, seed)
     diff = _ratios(means, signal, 0, 2) - _ratios(means, signal, 1, 2)
