@@ -9,7 +9,14 @@ relative error energy ||x_hat - x||^2 / ||x||^2 is split into
   int4         the codec as stored       plus the b-bit rounding of the latent
 
 and reference tokens' ||fp8(x) - x||^2 / ||x||^2. Keys and values are reported apart because retrieval
-cares about them differently (benchmarks/kv_half_probe.py measures how much). Writes JSON and a plot.
+cares about them differently (benchmarks/kv_half_probe.py measures how much). Two more figures say how the
+stored residual d_hat = x_hat - mean_ref sits against the true one d = x - mean_ref:
+
+  energy_ratio ||d_hat||^2 / ||d||^2        below 1: the token-specific part comes back shrunk
+  ls_scale     <d_hat, d> / ||d_hat||^2      the scale of d_hat that would minimise the squared error
+                                             (about 1 for an MSE fit; below 1: d_hat is inflated past it)
+
+Writes JSON and a plot.
 
     python benchmarks/error_budget.py DIR/codec [DIR2/codec ...] [--blocks 2] [--out benchmarks/results/error_budget.json]
 """
@@ -54,11 +61,14 @@ def budget(codec: ResidualCodec, kv: dict[int, torch.Tensor]) -> list[dict]:
         refs = kv[i][:, is_ref].reshape(-1, kv[i].shape[-1])
         d = x.shape[-1] // 2
         for half, s in (("keys", slice(0, d)), ("values", slice(d, None))):
+            true_res, stored_res = x[:, s] - m[:, s], q[:, s] - m[:, s]
             rows.append({"layer": i, "half": half,
                          "residual": rel(m[:, s] - x[:, s], x[:, s]),
                          "subspace": rel(unq[:, s] - x[:, s], x[:, s]),
                          "int4": rel(q[:, s] - x[:, s], x[:, s]),
-                         "ref_fp8": rel(ref_roundtrip(refs[:, s], cfg.ref_format) - refs[:, s], refs[:, s])})
+                         "ref_fp8": rel(ref_roundtrip(refs[:, s], cfg.ref_format) - refs[:, s], refs[:, s]),
+                         "energy_ratio": rel(stored_res, true_res),
+                         "ls_scale": float((stored_res * true_res).sum() / stored_res.pow(2).sum())})
     return rows
 
 
@@ -107,7 +117,8 @@ def main() -> int:
         results[path] = rows
         for half in ("keys", "values"):
             r = [x for x in rows if x["half"] == half]
-            means = {k: sum(x[k] for x in r) / len(r) for k in ("residual", "subspace", "int4", "ref_fp8")}
+            means = {k: sum(x[k] for x in r) / len(r)
+                     for k in ("residual", "subspace", "int4", "ref_fp8", "energy_ratio", "ls_scale")}
             print(f"{path} {half}: " + ", ".join(f"{k} {v:.4f}" for k, v in means.items()), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
