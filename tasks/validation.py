@@ -56,17 +56,8 @@ def kr_cr_schema(methods: Sequence[str], beta: float, kr_tol: float, cr_slack: f
         keeps_full_layers = df["method"].map(lambda m: _is_residual(m) or str(m).startswith("omnikv"))
         return (df["cr"] >= beta - cr_slack) | ~keeps_full_layers
 
-    for col in ("rel_score_ci_lo", "rel_score_ci_hi"):
-        columns[col] = pa.Column(float, pa.Check.ge(0.0), coerce=True, required=False, nullable=True)
-
     def no_missing_methods(df: pd.DataFrame) -> bool:
         return set(requested) <= set(df["method"])
-
-    def ordered_interval(df: pd.DataFrame) -> bool:
-        if "rel_score_ci_lo" not in df:
-            return True
-        both = df["rel_score_ci_lo"].notna() & df["rel_score_ci_hi"].notna()
-        return bool((df.loc[both, "rel_score_ci_lo"] <= df.loc[both, "rel_score_ci_hi"]).all())
 
     return pa.DataFrameSchema(
         {

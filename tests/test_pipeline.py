@@ -315,3 +315,20 @@ def test_regression_table_logic():
     assert [c.metric for c in missing if c.regressed] == ["task.vt"]
     text = RegressReport("models:/x@candidate", "3", "the champion", worse).text()
     assert "FAIL - 2 regression(s)" in text and "REGRESSION" in text
+
+
+def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():
+    from tasks.validation import TableValidationError, validate_benchmark, validate_kr_cr
+
+    row = {"method": "residualkv", "context_len": 2048, "score": 0.5, "rel_score": 0.5, "kr_measured": 0.2,
+           "kr_formula": 0.2, "cr": 1.0, "tasks": {"niah_single": 0.5}}
+    full = dict(row, method="full", score=1.0, rel_score=1.0, kr_measured=1.0, kr_formula=1.0,
+                tasks={"niah_single": 1.0}, rel_score_ci=None)
+    ok = dict(row, rel_score_ci=[0.3, 0.7])
+    df = validate_benchmark([full, ok], methods=["full", "residualkv"])
+    assert df.loc[df["method"] == "residualkv", "rel_score_ci_lo"].item() == 0.3
+    with pytest.raises(TableValidationError, match="rel_score_ci_lo <= rel_score_ci_hi"):
+        validate_benchmark([full, dict(row, rel_score_ci=[0.7, 0.3])], methods=["full", "residualkv"])
+    kr = validate_kr_cr([dict(ok, rel_score_ci_lo=0.3, rel_score_ci_hi=0.7)], methods=["residualkv"],
+                        beta=0.0, kr_tol=1e-3)
+    assert len(kr) == 1
