@@ -81,7 +81,9 @@ def cmd_bench_regress(args) -> int:
             json.dump({"uri": uri, "version": report.version, "passed": report.passed,
                        "baseline": report.baseline_source, "measured": report.measured,
                        "comparisons": [{"metric": c.metric, "baseline": c.baseline, "measured": c.measured,
-                                        "allowed": c.allowed, "regressed": c.regressed} for c in report.comparisons]},
+                                        "allowed": c.allowed, "regressed": c.regressed, "gated": c.gated}
+                                       for c in report.comparisons],
+                       "paired": [p.as_dict() for p in report.paired], "paired_note": report.paired_note},
                       f, indent=2)
     return 0 if report.passed else 1
 

@@ -299,6 +299,8 @@ def test_bench_regress_passes_against_itself_and_fails_for_a_degraded_candidate(
     assert "REGRESSION" in out and "kr_measured" in out
     result = json.loads((tmp_path / "regress.json").read_text())
     assert not result["passed"] and any(c["regressed"] and c["metric"] == "kr_measured" for c in result["comparisons"])
+    # the champion's stored predictions were found; a random tiny model gives the paired check no signal
+    assert result["paired"] == [] and "no paired comparison" in result["paired_note"], result["paired_note"]
     # the outcome is recorded on the version
     assert store.get_version(f"models:/rkv-tiny-llama/{reg.version}").tags["rkv.bench_regress"].startswith("fail")
 
@@ -315,6 +317,42 @@ def test_regression_table_logic():
     assert [c.metric for c in missing if c.regressed] == ["task.vt"]
     text = RegressReport("models:/x@candidate", "3", "the champion", worse).text()
     assert "FAIL - 2 regression(s)" in text and "REGRESSION" in text
+
+
+def test_bench_regress_judges_scores_on_the_same_samples_against_another_version():
+    from flows.bench_regress import RegressReport, compare, paired_checks
+
+    def records(method, answers_right):
+        out = []
+        for task, right in answers_right.items():
+            for i, ok in enumerate(right):
+                out.append({"method": method, "context_len": 2048, "id": f"{task}-{i}", "task": task, "seed": 0,
+                            "answers": [f"{task}{i}"], "prediction": "x", "score": float(ok)})
+        return out
+
+    full = records("full", {"a": [1, 1, 1, 1], "b": [1, 1, 1, 1]})
+    champion = records("residualkv", {"a": [1, 1, 1, 1], "b": [1, 1, 1, 0]})
+    one_flip = full + records("residualkv", {"a": [1, 1, 1, 0], "b": [1, 1, 1, 0]})  # 7/8 -> 6/8: one answer
+    broken = full + records("residualkv", {"a": [0, 0, 0, 0], "b": [0, 0, 1, 0]})
+
+    [noise] = paired_checks(one_flip, champion, "residualkv", 0.02)
+    assert noise.n_samples == 8 and abs(noise.difference + 0.125) < 1e-9 and noise.ci[0] < -0.02 < noise.ci[1]
+    assert not noise.regressed  # one answer among 8 is inside the sampling noise, a fixed 0.02 would fail it
+    [real] = paired_checks(broken, champion, "residualkv", 0.02)
+    assert real.regressed and real.ci[1] < -0.02 and real.p_ahead == 0.0
+    # the champion's own full-cache rows are not needed: the measured run's are the reference
+    assert paired_checks(broken, champion + full, "residualkv", 0.02)[0].difference == real.difference
+
+    base = {"rel_score": 0.875, "task.a": 1.0, "kr_measured": 0.18}
+    point = {"rel_score": 0.75, "task.a": 0.75, "kr_measured": 0.18}
+    assert {c.metric for c in compare(base, point, 0.02) if c.regressed} == {"rel_score", "task.a"}
+    shown = compare(base, point, 0.02, paired=True)
+    assert not any(c.regressed for c in shown) and [c.metric for c in shown if c.gated] == ["kr_measured"]
+    text = RegressReport("models:/x@candidate", "4", "the champion", shown, paired=[noise]).text()
+    assert "PASS - 0 regression(s) in 2 metrics" in text and "shown (paired check below)" in text
+    assert "rel_score_ctx2048 paired (8 samples)" in text
+    assert "FAIL - 1 regression(s)" in RegressReport("models:/x@candidate", "4", "the champion", shown,
+                                                     paired=[real]).text()
 
 
 def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():
