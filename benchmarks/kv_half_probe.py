@@ -6,7 +6,12 @@ layer's history exact (the other half as the codec reconstructs it):
     python benchmarks/kv_half_probe.py keys   -- --methods full,residualkv --context-len 2048 --json OUT
     python benchmarks/kv_half_probe.py values -- --methods full,residualkv --context-len 2048 --json OUT
 
-`keys`: pre-RoPE keys exact, values reconstructed; `values`: the reverse. The exact half is held beside
+    python benchmarks/kv_half_probe.py outliers:0.03 -- --methods full,residualkv --context-len 2048 --json OUT
+
+`keys`: pre-RoPE keys exact, values reconstructed; `values`: the reverse. `outliers:P`: both halves of
+the share P of coded tokens the references predict worst (largest ‖x - mean of its k references‖², the
+threshold fixed at the first write's (1 - P) quantile per layer) exact, every other token reconstructed:
+what an exact side channel for badly predicted tokens would buy. The exact part is held beside
 the store and is **not counted**: the KR these rows report is the codec's, not what the diagnostic held,
 so the rows rank where the codec's error hurts, they are not a method. References keep their FP8 round
 trip in both (the half read exact is the float original). Standalone reads only (torch path); OmniKV or
@@ -25,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from residualkv import cache as cache_mod  # noqa: E402
 from residualkv.cli import main as rkv_main  # noqa: E402
+from residualkv.retrieval import mean_of_refs  # noqa: E402
+from kernels import topk_l2  # noqa: E402
 
 
 def patch(half: str) -> None:
@@ -56,10 +63,51 @@ def patch(half: str) -> None:
     store.write, store.read, store.read_selected = patched_write, patched_read, refuse
 
 
+def patch_outliers(share: float) -> None:
+    store = cache_mod.ResidualStore
+    write, read = store.write, store.read
+
+    def patched_write(self, kv: torch.Tensor) -> torch.Tensor:
+        n0, r0 = self.n, self.n_refs
+        new = write(self, kv).clone()
+        is_ref = self.schedule.is_ref(n0, n0 + kv.shape[1]).to(kv.device)
+        x = kv.float()
+        # the references each token may use are those strictly before it, as the codec's own write sees them
+        n_avail = torch.cumsum(is_ref.long(), 0) + r0 - is_ref.long()
+        refs = self.decoded_refs()
+        err = (x - mean_of_refs(refs, topk_l2(x, refs, n_avail, self.cfg.k, impl="torch"))).pow(2).sum(-1)
+        err[:, is_ref] = -1.0
+        if not hasattr(self, "outlier_threshold"):
+            coded = err[err >= 0]
+            self.outlier_threshold = torch.quantile(coded, 1 - share) if coded.numel() > 10 else float("inf")
+        exact = err > self.outlier_threshold
+        new[exact] = x[exact]
+        self.exact_mask = exact if getattr(self, "exact_mask", None) is None else torch.cat([self.exact_mask, exact], 1)
+        self.exact_rows = x if getattr(self, "exact_rows", None) is None else torch.cat([self.exact_rows, x], 1)
+        return new
+
+    def patched_read(self, rope=None):
+        if self.ref_ord is not None or self.grad_history is not None:
+            raise RuntimeError("kv_half_probe diagnoses standalone reads only")
+        out = read(self, None)
+        if out.numel():
+            out[self.exact_mask] = self.exact_rows[self.exact_mask]
+        return out if rope is None else cache_mod._rotate_rest(out, rope, None)
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("kv_half_probe diagnoses standalone reads only (no OmniKV/SnapKV selection)")
+
+    store.write, store.read, store.read_selected = patched_write, patched_read, refuse
+
+
 def main() -> int:
-    if len(sys.argv) < 3 or sys.argv[1] not in ("keys", "values") or sys.argv[2] != "--":
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if len(sys.argv) < 3 or sys.argv[2] != "--" or not (mode in ("keys", "values") or mode.startswith("outliers:")):
         raise SystemExit(__doc__)
-    patch(sys.argv[1])
+    if mode.startswith("outliers:"):
+        patch_outliers(float(mode.split(":", 1)[1]))
+    else:
+        patch(mode)
     return rkv_main(["eval", *sys.argv[3:]])
 
 
