@@ -34,19 +34,16 @@ from residualkv.retrieval import mean_of_refs  # noqa: E402
 from kernels import topk_l2  # noqa: E402
 
 
-def patch(half: str) -> None:
+def _install(keep, overlay) -> None:
+    """Patch ResidualStore: keep(store, kv, reconstruction, n_before, refs_before) edits what a write returns
+    and holds the exact part beside the store; overlay(store, history) writes it over every read."""
     store = cache_mod.ResidualStore
     write, read = store.write, store.read
 
-    def exact_slice(d: int) -> slice:
-        return slice(0, d // 2) if half == "keys" else slice(d // 2, d)
-
     def patched_write(self, kv: torch.Tensor) -> torch.Tensor:
+        n0, r0 = self.n, self.n_refs
         new = write(self, kv).clone()
-        s = exact_slice(kv.shape[-1])
-        new[..., s] = kv[..., s].float()
-        self.exact_half = kv[..., s].float() if getattr(self, "exact_half", None) is None \
-            else torch.cat([self.exact_half, kv[..., s].float()], dim=1)
+        keep(self, kv, new, n0, r0)
         return new
 
     def patched_read(self, rope=None):
@@ -54,7 +51,7 @@ def patch(half: str) -> None:
             raise RuntimeError("kv_half_probe diagnoses standalone reads only")
         out = read(self, None)
         if out.numel():
-            out[..., exact_slice(out.shape[-1])] = self.exact_half
+            overlay(self, out)
         return out if rope is None else cache_mod._rotate_rest(out, rope, None)
 
     def refuse(self, *args, **kwargs):
@@ -63,13 +60,27 @@ def patch(half: str) -> None:
     store.write, store.read, store.read_selected = patched_write, patched_read, refuse
 
 
-def patch_outliers(share: float) -> None:
-    store = cache_mod.ResidualStore
-    write, read = store.write, store.read
+def _append(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if held is None else torch.cat([held, new], dim=1)
 
-    def patched_write(self, kv: torch.Tensor) -> torch.Tensor:
-        n0, r0 = self.n, self.n_refs
-        new = write(self, kv).clone()
+
+def patch(half: str) -> None:
+    def exact_slice(d: int) -> slice:
+        return slice(0, d // 2) if half == "keys" else slice(d // 2, d)
+
+    def keep(self, kv, new, n0, r0):
+        s = exact_slice(kv.shape[-1])
+        new[..., s] = kv[..., s].float()
+        self.exact_half = _append(getattr(self, "exact_half", None), kv[..., s].float())
+
+    def overlay(self, out):
+        out[..., exact_slice(out.shape[-1])] = self.exact_half
+
+    _install(keep, overlay)
+
+
+def patch_outliers(share: float) -> None:
+    def keep(self, kv, new, n0, r0):
         is_ref = self.schedule.is_ref(n0, n0 + kv.shape[1]).to(kv.device)
         x = kv.float()
         # the references each token may use are those strictly before it, as the codec's own write sees them
@@ -82,22 +93,13 @@ def patch_outliers(share: float) -> None:
             self.outlier_threshold = torch.quantile(coded, 1 - share) if coded.numel() > 10 else float("inf")
         exact = err > self.outlier_threshold
         new[exact] = x[exact]
-        self.exact_mask = exact if getattr(self, "exact_mask", None) is None else torch.cat([self.exact_mask, exact], 1)
-        self.exact_rows = x if getattr(self, "exact_rows", None) is None else torch.cat([self.exact_rows, x], 1)
-        return new
+        self.exact_mask = _append(getattr(self, "exact_mask", None), exact)
+        self.exact_rows = _append(getattr(self, "exact_rows", None), x)
 
-    def patched_read(self, rope=None):
-        if self.ref_ord is not None or self.grad_history is not None:
-            raise RuntimeError("kv_half_probe diagnoses standalone reads only")
-        out = read(self, None)
-        if out.numel():
-            out[self.exact_mask] = self.exact_rows[self.exact_mask]
-        return out if rope is None else cache_mod._rotate_rest(out, rope, None)
+    def overlay(self, out):
+        out[self.exact_mask] = self.exact_rows[self.exact_mask]
 
-    def refuse(self, *args, **kwargs):
-        raise RuntimeError("kv_half_probe diagnoses standalone reads only (no OmniKV/SnapKV selection)")
-
-    store.write, store.read, store.read_selected = patched_write, patched_read, refuse
+    _install(keep, overlay)
 
 
 def main() -> int:
