@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import registry
 from registry.store import client, experiment_id, retrying
+from residualkv.evaluation.report import read_predictions
 from tasks.backbones import resolve_backbone
 from tasks.measure import run_evaluation
 from tasks.tracking import headline_metrics, metric_direction
@@ -99,18 +100,13 @@ def paired_checks(measured: Sequence[Mapping[str, Any]], baseline: Sequence[Mapp
                   tolerance: float) -> list[PairedCheck]:
     """One check per context length where both runs have samples and the full cache scores (the measured run's
     full-cache rows are the reference for both: same backbone, same samples)."""
-    from residualkv.evaluation.harness import REFERENCE, sample_key
-    from residualkv.evaluation.stats import compare as paired
+    from residualkv.evaluation.harness import REFERENCE, compare_by_length
 
-    records = [dict(r, method="measured") if r["method"] == method else dict(r)
+    records = [dict(r, method="measured") if r["method"] == method else r
                for r in measured if r["method"] in (method, REFERENCE)]
     records += [dict(r, method="baseline") for r in baseline if r["method"] == method]
-    out = []
-    for L in sorted({r.get("context_len") for r in records if r["method"] == "measured"}, key=str):
-        c = paired([r for r in records if r.get("context_len") == L], "measured", "baseline", REFERENCE, sample_key)
-        if c["difference"] is not None:
-            out.append(PairedCheck(L, c["n_samples"], c["difference"], c["ci"], c["p_a_ahead"], tolerance))
-    return out
+    return [PairedCheck(c["context_len"], c["n_samples"], c["difference"], c["ci"], c["p_a_ahead"], tolerance)
+            for c in compare_by_length(records, "measured", "baseline") if c["difference"] is not None]
 
 
 @dataclass
@@ -169,11 +165,7 @@ def compare(baseline: Mapping[str, float], measured: Mapping[str, float], tolera
 
 def _predictions(files: Sequence[str]) -> list[dict[str, Any]] | None:
     found = [Path(f) for f in files if str(f).endswith("_predictions.jsonl") and Path(f).is_file()]
-    return _read_jsonl(found[0]) if found else None
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_predictions(found[0]) if found else None
 
 
 def _stored_predictions(mv) -> list[dict[str, Any]] | None:
@@ -185,7 +177,7 @@ def _stored_predictions(mv) -> list[dict[str, Any]] | None:
             path = retrying(client().download_artifacts, mv.run_id, "tables/benchmark_predictions.jsonl", tmp)
         except Exception:  # noqa: BLE001 - absent artifact: the caller falls back to the fixed tolerance
             return None
-        return _read_jsonl(Path(path))
+        return read_predictions(path)
 
 
 def _baseline(mv, against: str) -> tuple[str, Any]:
@@ -216,18 +208,16 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
 
     source, base_mv = _baseline(mv, against)
     baseline = registry.version_metrics(base_mv)
-    base_predictions = None
-    if base_mv is not mv and registry.version_suite(base_mv) != suite:
-        base_dir = str(registry.fetch_codec_dir(f"models:/{base_mv.name}/{base_mv.version}"))
-        base_result = run_evaluation(ref, base_dir, config, progress=progress)
-        baseline = headline_metrics(base_result["rows"], suite["method"])
-        base_predictions = _predictions(base_result.get("files", []))
-        source = f"the champion (v{base_mv.version}) re-measured on this suite"
-    elif base_mv is not mv:
-        base_predictions = _stored_predictions(base_mv)
-
     checks, note = [], ""
-    if base_mv is not mv:
+    if base_mv is not mv:  # another version: its scores differ from these by sampling noise, compare them paired
+        if registry.version_suite(base_mv) != suite:
+            base_dir = str(registry.fetch_codec_dir(f"models:/{base_mv.name}/{base_mv.version}"))
+            base_result = run_evaluation(ref, base_dir, config, progress=progress)
+            baseline = headline_metrics(base_result["rows"], suite["method"])
+            base_predictions = _predictions(base_result.get("files", []))
+            source = f"the champion (v{base_mv.version}) re-measured on this suite"
+        else:
+            base_predictions = _stored_predictions(base_mv)
         mine = _predictions(result.get("files", []))
         if mine is None or base_predictions is None:
             note = "scores kept the fixed tolerance: no per-sample predictions stored for the " + \

@@ -120,11 +120,11 @@ def benchmark_schema(methods: Sequence[str], task_columns: Iterable[str] = (), f
 
 def benchmark_frame(rows: Sequence[dict[str, Any]]) -> tuple[pd.DataFrame, list[str]]:
     """The harness's rows as a flat table: per-task scores become `task_<name>` columns."""
+    from residualkv.evaluation.report import scalar_columns
+
     flat, tasks = [], []
     for row in rows:
-        out = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
-        if row.get("rel_score_ci"):
-            out["rel_score_ci_lo"], out["rel_score_ci_hi"] = row["rel_score_ci"]
+        out = scalar_columns(row)
         for name, value in (row.get("tasks") or {}).items():
             out[f"task_{name}"] = value
             if f"task_{name}" not in tasks:

@@ -89,8 +89,8 @@ def register(subparsers) -> None:
 def cmd_pool(args) -> int:
     import json
 
-    from .harness import REFERENCE, pool_records, pooled_rows, sample_key
-    from .report import markdown_table, write_outputs
+    from .harness import REFERENCE, compare_by_length, pool_records, pooled_rows
+    from .report import markdown_table, read_predictions, write_outputs
 
     runs = []
     for spec in args.predictions:
@@ -103,7 +103,7 @@ def cmd_pool(args) -> int:
         if not f.is_file():
             raise SystemExit(f"{spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl next to --json)")
         try:
-            run = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+            run = read_predictions(f)
         except json.JSONDecodeError as err:
             raise SystemExit(f"{spec}: not a predictions JSONL ({err})") from None
         runs.append(run if only is None else [r | {"method": only[r.get("method")]} for r in run if r.get("method") in only])
@@ -135,13 +135,11 @@ def cmd_pool(args) -> int:
     write_outputs(rows, json_path=json_path, stem=json_path.stem, records=records)
     print(markdown_table(rows))
     if pairs:
-        from .stats import compare
-
         out = []
         for a, b in pairs:
-            for L in dict.fromkeys(r.get("context_len") for r in records):
-                c = compare([r for r in records if r.get("context_len") == L], a, b, REFERENCE, sample_key)
-                out.append({"context_len": L, **c})
+            for c in compare_by_length(records, a, b):
+                out.append(c)
+                L = c["context_len"]
                 if c["difference"] is None:
                     print(f"{a} - {b} at {L} tokens: too few shared samples (at least 2 per task the full cache scores on)")
                 else:

@@ -295,6 +295,14 @@ def sample_key(record: dict[str, Any]) -> tuple:
     return record.get("context_len"), record["id"], tuple(record["answers"]), record.get("seed")
 
 
+def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
+    """stats.compare of methods a and b (relative to the full cache) at each context length the records hold."""
+    from .stats import compare
+
+    return [{"context_len": L, **compare([r for r in records if r.get("context_len") == L], a, b, REFERENCE, sample_key)}
+            for L in dict.fromkeys(r.get("context_len") for r in records)]
+
+
 def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The per-sample records of several runs (predictions files) as one run, for scores over more samples
     than one run holds: a sample that several runs share (the full cache's rows of jobs run side by side on

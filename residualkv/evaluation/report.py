@@ -11,11 +11,17 @@ from typing import Any, Sequence
 CONTRACT = ("method", "kr_measured", "cr", "score", "rel_score")
 
 
-def flat_row(row: dict[str, Any]) -> dict[str, Any]:
-    """One CSV line: nested per-task dicts become score_<task> / rel_<task> columns."""
+def scalar_columns(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's plain fields, rel_score_ci as rel_score_ci_lo / rel_score_ci_hi (nested fields left out)."""
     out = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
     if row.get("rel_score_ci"):
         out["rel_score_ci_lo"], out["rel_score_ci_hi"] = row["rel_score_ci"]
+    return out
+
+
+def flat_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One CSV line: nested per-task dicts become score_<task> / rel_<task> columns."""
+    out = scalar_columns(row)
     for t, v in (row.get("tasks") or {}).items():
         out[f"score_{t}"] = v
     for t, v in (row.get("rel_tasks") or {}).items():
@@ -131,3 +137,8 @@ def write_outputs(rows: Sequence[dict[str, Any]], *, out_dir: str | Path | None 
     elif records is not None and p.exists():
         p.unlink()  # a perplexity-only run has no predictions: never leave an earlier run's beside its rows
     return paths
+
+
+def read_predictions(path: str | Path) -> list[dict[str, Any]]:
+    """The per-sample records `write_outputs` wrote to <stem>_predictions.jsonl (json.JSONDecodeError if not)."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]

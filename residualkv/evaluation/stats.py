@@ -51,6 +51,12 @@ def _resampled_task_means(table: dict[str, np.ndarray], n_boot: int, seed: int) 
     return out
 
 
+def _counted_tasks(table: dict[str, np.ndarray], ref_col: int) -> list[str] | None:
+    """The tasks where the reference scores > 0; None when there are none or one has a single sample."""
+    signal = [t for t, x in table.items() if x[:, ref_col].mean() > 0]
+    return signal if signal and min(len(table[t]) for t in signal) >= 2 else None
+
+
 def _ratios(means: dict[str, np.ndarray], signal: list[str], col: int, ref_col: int) -> np.ndarray:
     num = sum(means[t][:, col] for t in signal)
     den = sum(means[t][:, ref_col] for t in signal)
@@ -68,8 +74,8 @@ def rel_score_interval(records: Sequence[dict[str, Any]], method: str, reference
                        level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0) -> list[float] | None:
     """[lo, hi] of `method`'s rel_score on the samples it and `reference` both ran; None without signal."""
     table = _paired_scores(records, [method, reference], key)
-    signal = [t for t, x in table.items() if x[:, 1].mean() > 0]
-    if not signal or min(len(table[t]) for t in signal) < 2:
+    signal = _counted_tasks(table, 1)
+    if signal is None:
         return None
     means = _resampled_task_means(table, n_boot, seed)
     return _interval(_ratios(means, signal, 0, 1)[1:], level)
@@ -81,8 +87,8 @@ def compare(records: Sequence[dict[str, Any]], a: str, b: str, reference: str, k
     the share of resamples where a is ahead (ties count half)."""
     table = _paired_scores(records, [a, b, reference], key)
     n = sum(len(x) for x in table.values())
-    signal = [t for t, x in table.items() if x[:, 2].mean() > 0]
-    if not signal or min(len(table[t]) for t in signal) < 2:
+    signal = _counted_tasks(table, 2)
+    if signal is None:
         return {"a": a, "b": b, "n_samples": n, "difference": None, "ci": None, "p_a_ahead": None}
     means = _resampled_task_means(table, n_boot, seed)
     diff = _ratios(means, signal, 0, 2) - _ratios(means, signal, 1, 2)
