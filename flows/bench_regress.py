@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import registry
 from registry.store import client, experiment_id, retrying
-from residualkv.evaluation.report import read_predictions
 from tasks.backbones import resolve_backbone
 from tasks.measure import run_evaluation
+from tasks.paired import PairedCheck, baseline_of, judge_paired, result_predictions
 from tasks.tracking import headline_metrics, metric_direction
 
 from .summary import table
@@ -69,44 +67,8 @@ class Comparison:
         return self.gated and worse > self.allowed + 1e-12
 
 
-@dataclass
-class PairedCheck:
-    """rel_score of the measured version minus the baseline's on the samples both answered."""
-    context_len: int
-    n_samples: int
-    difference: float
-    ci: list[float]
-    p_ahead: float
-    tolerance: float
-
-    @property
-    def metric(self) -> str:
-        return f"rel_score_ctx{self.context_len} paired ({self.n_samples} samples)"
-
-    @property
-    def regressed(self) -> bool:
-        return self.ci[1] < -self.tolerance
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "context_len": self.context_len, "n_samples": self.n_samples,
-                "difference": self.difference, "ci": self.ci, "p_ahead": self.p_ahead, "regressed": self.regressed}
-
-
 # the figures computed from the same per-sample answers that a paired check compares
 SAMPLE_SCORES = ("score", "rel_score", "task.")
-
-
-def paired_checks(measured: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]], method: str,
-                  tolerance: float) -> list[PairedCheck]:
-    """One check per context length where both runs have samples and the full cache scores (the measured run's
-    full-cache rows are the reference for both: same backbone, same samples)."""
-    from residualkv.evaluation.harness import REFERENCE, compare_by_length
-
-    records = [dict(r, method="measured") if r["method"] == method else r
-               for r in measured if r["method"] in (method, REFERENCE)]
-    records += [dict(r, method="baseline") for r in baseline if r["method"] == method]
-    return [PairedCheck(c["context_len"], c["n_samples"], c["difference"], c["ci"], c["p_a_ahead"], tolerance)
-            for c in compare_by_length(records, "measured", "baseline") if c["difference"] is not None]
 
 
 @dataclass
@@ -163,23 +125,6 @@ def compare(baseline: Mapping[str, float], measured: Mapping[str, float], tolera
     return out
 
 
-def _predictions(files: Sequence[str]) -> list[dict[str, Any]] | None:
-    found = [Path(f) for f in files if str(f).endswith("_predictions.jsonl") and Path(f).is_file()]
-    return read_predictions(found[0]) if found else None
-
-
-def _stored_predictions(mv) -> list[dict[str, Any]] | None:
-    """The per-sample predictions the pipeline logged beside a version's benchmark (None for versions without)."""
-    if not getattr(mv, "run_id", None):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = retrying(client().download_artifacts, mv.run_id, "tables/benchmark_predictions.jsonl", tmp)
-        except Exception:  # noqa: BLE001 - absent artifact: the caller falls back to the fixed tolerance
-            return None
-        return read_predictions(path)
-
-
 def _baseline(mv, against: str) -> tuple[str, Any]:
     """(description, version whose metrics are the baseline)."""
     try:
@@ -210,23 +155,10 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
     baseline = registry.version_metrics(base_mv)
     checks, note = [], ""
     if base_mv is not mv:  # another version: its scores differ from these by sampling noise, compare them paired
-        if registry.version_suite(base_mv) != suite:
-            base_dir = str(registry.fetch_codec_dir(f"models:/{base_mv.name}/{base_mv.version}"))
-            base_result = run_evaluation(ref, base_dir, config, progress=progress)
-            baseline = headline_metrics(base_result["rows"], suite["method"])
-            base_predictions = _predictions(base_result.get("files", []))
-            source = f"the champion (v{base_mv.version}) re-measured on this suite"
-        else:
-            base_predictions = _stored_predictions(base_mv)
-        mine = _predictions(result.get("files", []))
-        if mine is None or base_predictions is None:
-            note = "scores kept the fixed tolerance: no per-sample predictions stored for the " + \
-                   ("baseline" if mine is not None else "measured run")
-        else:
-            checks = paired_checks(mine, base_predictions, suite["method"], tolerance)
-            if not checks:
-                note = ("scores kept the fixed tolerance: no paired comparison (no shared samples, or the full "
-                        "cache scores 0 on them, or a task has a single sample)")
+        base = baseline_of(base_mv, suite, lambda d: run_evaluation(ref, d, config, progress=progress), suite["method"])
+        if base["remeasured"]:
+            baseline, source = base["metrics"], f"the champion (v{base_mv.version}) re-measured on this suite"
+        checks, note = judge_paired(result_predictions(result), base["predictions"], suite["method"], tolerance)
     report = RegressReport(uri=uri, version=str(mv.version), baseline_source=source,
                            comparisons=compare(baseline, measured, tolerance, paired=bool(checks)),
                            measured=measured, rows=result["rows"], paired=checks, paired_note=note)

@@ -39,7 +39,8 @@ DEFAULTS: dict[str, Any] = {
     "registry": {"model_name": "rkv-{backbone}", "method": "residualkv", "register": True, "promote": True,
                  "tracking_uri": None,  # None: $MLFLOW_TRACKING_URI, else the embedded SQLite store
                  "promotion": {"score_metric": "rel_score", "score_tol": 0.01, "kr_metric": "kr_measured",
-                               "kr_tol": 0.005, "higher_is_better": True, "ppl_metric": "ppl_rel", "ppl_tol": 0.05}},
+                               "kr_tol": 0.005, "higher_is_better": True, "ppl_metric": "ppl_rel", "ppl_tol": 0.05,
+                               "paired": True}},
     "schedule": {"cron": "0 3 * * 1", "timezone": "UTC", "deployment": None},
 }
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from registry import env as _env
@@ -29,6 +28,7 @@ from tasks.backbones import backbone_name, resolve_backbone  # noqa: E402
 from tasks.common import say, set_threads  # noqa: E402
 from tasks.data import pack_data  # noqa: E402
 from tasks.measure import evaluate_codec, kr_cr_table, profile_throughput  # noqa: E402
+from tasks.paired import baseline_of, judge_paired, result_predictions  # noqa: E402
 from tasks.tracking import (  # noqa: E402
     end_run, headline_metrics, log_failure, log_results, promote_version, register_codec_version, start_run,
     suite_spec,
@@ -125,8 +125,12 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_i
             out["registered"] = reg
             out["status"] = "registered"
             if reg_cfg["promote"]:
-                champion_metrics = champion_on_this_suite(model_name, reg["version"], ref, prof, suite)
-                out["promotion"] = promote_version(model_name, reg["version"], reg_cfg["promotion"], champion_metrics)
+                champ = champion_on_this_suite(model_name, reg["version"], ref, prof, suite)
+                rule = registry.PromotionRule(**reg_cfg["promotion"])
+                paired, note = judge_paired(result_predictions(bench), champ["predictions"], method, rule.score_tol,
+                                            side="champion") if rule.uses_paired() else ([], "")
+                out["promotion"] = promote_version(model_name, reg["version"], reg_cfg["promotion"], champ["metrics"],
+                                                   [p.as_dict() for p in paired], note, champ["version"])
         end_run(run_id, "FINISHED")
     except TableValidationError as error:
         say(str(error), error=True)
@@ -141,18 +145,19 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_i
 
 
 def champion_on_this_suite(model_name: str, candidate: str, ref: str, prof: Profile,
-                           suite: dict[str, Any]) -> dict[str, float] | None:
-    """The champion's metrics on the candidate's suite: stored ones when the suites match, else re-measured."""
+                           suite: dict[str, Any]) -> dict[str, Any]:
+    """The champion to judge the candidate against: its version, its metrics on the candidate's suite (None:
+    the stored ones are comparable) and its per-sample predictions there (stored, or from the re-measurement)."""
     try:
         champ = registry.get_version(f"models:/{model_name}@champion")
     except registry.RegistryError:
-        return None
-    if str(champ.version) == str(candidate) or registry.version_suite(champ) == suite:
-        return None  # the stored metrics are comparable
-    say(f"champion v{champ.version} was benchmarked on another suite: re-evaluating it on this one")
-    champ_dir = str(registry.fetch_codec_dir(f"models:/{model_name}/{champ.version}"))
-    bench = evaluate_codec(ref, champ_dir, prof.evaluate)
-    return headline_metrics(bench["rows"], suite["method"])
+        champ = None
+    if champ is None or str(champ.version) == str(candidate):
+        return {"version": champ and str(champ.version), "metrics": None, "predictions": None}
+    if registry.version_suite(champ) != suite:
+        say(f"champion v{champ.version} was benchmarked on another suite: re-evaluating it on this one")
+    base = baseline_of(champ, suite, lambda d: evaluate_codec(ref, d, prof.evaluate), suite["method"])
+    return base | {"metrics": base["metrics"] if base["remeasured"] else None}
 
 
 def _safe(fn, *args) -> None:

@@ -24,7 +24,7 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from residualkv.codec import META, WEIGHTS, CodecError, ResidualCodec, sha256_file
 
@@ -285,6 +285,12 @@ class PromotionRule:
     signal (both 0): quality is then only visible in perplexity. With no champion yet, a complete
     candidate is promoted. A candidate for another backbone (fingerprint) than the champion is never
     promoted under the same name.
+
+    With `paired` (the default) and a rel_score rule, when the caller passes paired differences (the
+    candidate's rel_score minus the champion's on the samples both answered, per context length, with a
+    95% interval), the quality clause becomes: no interval lies wholly below -score_tol. Two training
+    runs of one recipe differ by ~0.1 in point rel_score over a few samples per task, so the point
+    clause alone promotes or rejects equally good codecs by chance.
     """
 
     score_metric: str = "rel_score"
@@ -294,6 +300,10 @@ class PromotionRule:
     higher_is_better: bool = True
     ppl_metric: str | None = "ppl_rel"
     ppl_tol: float = 0.05
+    paired: bool = True
+
+    def uses_paired(self) -> bool:
+        return self.paired and self.higher_is_better and self.score_metric == "rel_score"
 
     def metrics(self) -> tuple[str, ...]:
         return tuple(m for m in (self.score_metric, self.kr_metric, self.ppl_metric) if m)
@@ -304,8 +314,11 @@ class PromotionRule:
                    f"candidate.{self.score_metric} <= champion.{self.score_metric} + {self.score_tol}")
         ppl = (f" and candidate.{self.ppl_metric} <= champion.{self.ppl_metric} * (1 + {self.ppl_tol})"
                if self.ppl_metric else "")
+        paired = (f"; with paired differences on the same samples, the {self.score_metric} clause is instead: "
+                  f"no 95% interval of (candidate - champion) lies wholly below -{self.score_tol}"
+                  if self.uses_paired() else "")
         return (f"promote iff {quality} and candidate.{self.kr_metric} <= champion.{self.kr_metric} + {self.kr_tol}"
-                f"{ppl} (same suite, same backbone fingerprint; no champion -> promote)")
+                f"{ppl} (same suite, same backbone fingerprint; no champion -> promote){paired}")
 
 
 @dataclass
@@ -318,6 +331,8 @@ class PromotionDecision:
     rule: dict[str, Any] = field(default_factory=dict)
     candidate_metrics: dict[str, float] = field(default_factory=dict)
     champion_metrics: dict[str, float] = field(default_factory=dict)
+    paired: list[dict[str, Any]] = field(default_factory=list)  # the differences the quality clause judged
+    paired_note: str = ""  # why the point clause was used, when the rule asks for paired ones
 
     @property
     def champion_after(self) -> str | None:
@@ -334,6 +349,11 @@ class PromotionDecision:
             for k in keys:
                 a, b = self.candidate_metrics.get(k), self.champion_metrics.get(k)
                 lines.append(f"{k:28s} {_fmt(a):>12s} {_fmt(b):>12s}")
+        for p in self.paired:
+            lines.append(f"paired rel_score ctx{p['context_len']} ({p['n_samples']} samples): candidate - champion "
+                         f"{p['difference']:+.4f} (95% CI {p['ci'][0]:+.4f} .. {p['ci'][1]:+.4f})")
+        if self.paired_note:
+            lines.append(self.paired_note)
         return "\n".join(lines)
 
 
@@ -342,11 +362,16 @@ def _fmt(x: float | None) -> str:
 
 
 def promote_if_not_worse(name: str, version: str | int, rule: PromotionRule | None = None, *,
-                         champion_metrics: Mapping[str, float] | None = None) -> PromotionDecision:
+                         champion_metrics: Mapping[str, float] | None = None,
+                         paired: Sequence[Mapping[str, Any]] | None = None, paired_note: str = "",
+                         paired_champion: str | None = None) -> PromotionDecision:
     """Move `champion` to `version` when it passes `rule` against the current champion; log the decision.
 
     `champion_metrics` overrides the champion's stored metrics, for a champion re-evaluated on the
-    candidate's suite (the flow does that when the stored suites differ).
+    candidate's suite (the flow does that when the stored suites differ). `paired` are the candidate's
+    rel_score differences from champion `paired_champion` on shared samples, each {context_len,
+    n_samples, difference, ci: [lo, hi]} (tasks.paired computes them); `paired_note` says why there are
+    none. They only count against the champion they were measured against.
     """
     rule = rule or PromotionRule()
     c = client()
@@ -357,7 +382,8 @@ def promote_if_not_worse(name: str, version: str | int, rule: PromotionRule | No
         for _ in range(_PROMOTE_ATTEMPTS):
             champ = _alias(c, name, CHAMPION)
             champ_m = dict(champion_metrics) if champion_metrics is not None else (version_metrics(champ) if champ else {})
-            promoted, reason = _decide(rule, cand, cand_m, champ, champ_m, champion_metrics is not None)
+            evidence = list(paired or ()) if paired_champion is not None and paired_champion == _version(champ) else []
+            promoted, reason = _decide(rule, cand, cand_m, champ, champ_m, champion_metrics is not None, evidence)
             if not promoted:
                 break
             # Only an unlocked store (a server, see store_lock) lets another flow move the champion after our read.
@@ -376,7 +402,9 @@ def promote_if_not_worse(name: str, version: str | int, rule: PromotionRule | No
     decision = PromotionDecision(name=name, candidate=version, champion_before=_version(champ),
                                  promoted=promoted, reason=reason, rule=asdict(rule),
                                  candidate_metrics={k: cand_m[k] for k in rule.metrics() if k in cand_m},
-                                 champion_metrics={k: champ_m[k] for k in rule.metrics() if k in champ_m})
+                                 champion_metrics={k: champ_m[k] for k in rule.metrics() if k in champ_m},
+                                 paired=evidence if rule.uses_paired() else [],
+                                 paired_note=_paired_note(rule, evidence, paired, paired_champion, champ, paired_note))
     _log_decision(decision, cand)
     return decision
 
@@ -395,7 +423,20 @@ def _version(mv) -> str | None:
     return str(mv.version) if mv is not None else None
 
 
-def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: bool) -> tuple[bool, str]:
+def _paired_note(rule: PromotionRule, evidence, paired, paired_champion, champ, note: str) -> str:
+    if not rule.uses_paired() or evidence or champ is None:
+        return ""
+    if paired and paired_champion is None:
+        return (f"{rule.score_metric} judged by the point clause: paired differences were passed without "
+                "paired_champion, the version they were measured against")
+    if paired and paired_champion != _version(champ):
+        return (f"{rule.score_metric} judged by the point clause: the paired differences were measured against "
+                f"v{paired_champion}, the champion is v{_version(champ)}")
+    return f"{rule.score_metric} judged by the point clause: {note or 'no paired differences were passed'}"
+
+
+def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: bool,
+            paired: Sequence[Mapping[str, Any]] = ()) -> tuple[bool, str]:
     if not is_complete(cand):
         return False, f"candidate v{cand.version} is not complete ({COMPLETE_TAG} missing): it is never served"
     missing = [k for k in (rule.score_metric, rule.kr_metric) if k not in cand_m]
@@ -417,7 +458,13 @@ def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: b
     s_c, s_ch = cand_m[rule.score_metric], champ_m[rule.score_metric]
     k_c, k_ch = cand_m[rule.kr_metric], champ_m[rule.kr_metric]
     problems = []
-    if rule.higher_is_better and s_c < s_ch - rule.score_tol:
+    by_samples = rule.uses_paired() and bool(paired)
+    for p in paired if by_samples else ():
+        if p["ci"][1] < -rule.score_tol:
+            problems.append(f"{rule.score_metric} at {p['context_len']} tokens {p['difference']:+.4f} below the champion on "
+                            f"the same {p['n_samples']} samples (95% CI {p['ci'][0]:+.4f} .. {p['ci'][1]:+.4f}, "
+                            f"wholly below -{rule.score_tol})")
+    if not by_samples and rule.higher_is_better and s_c < s_ch - rule.score_tol:
         problems.append(f"{rule.score_metric} {s_c:.4f} < champion {s_ch:.4f} - {rule.score_tol}")
     if not rule.higher_is_better and s_c > s_ch + rule.score_tol:
         problems.append(f"{rule.score_metric} {s_c:.4f} > champion {s_ch:.4f} + {rule.score_tol}")
@@ -429,6 +476,9 @@ def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: b
     if problems:
         return False, "worse than the champion: " + "; ".join(problems)
     cmp = (f">= {s_ch:.4f} - {rule.score_tol}" if rule.higher_is_better else f"<= {s_ch:.4f} + {rule.score_tol}")
+    if by_samples:
+        cmp = (f"(champion {s_ch:.4f}) not worse on the same samples: paired 95% CI upper bound(s) "
+               + ", ".join(f"{p['ci'][1]:+.4f} at {p['context_len']}" for p in paired) + f" >= -{rule.score_tol}")
     ppl = (f" and {rule.ppl_metric} {p_c:.4f} <= {p_ch:.4f} * (1 + {rule.ppl_tol})"
            if p_c is not None and p_ch is not None else "")
     return True, f"{rule.score_metric} {s_c:.4f} {cmp} and {rule.kr_metric} {k_c:.4f} <= {k_ch:.4f} + {rule.kr_tol}{ppl}"

@@ -283,9 +283,13 @@ def register_codec_version(run_id: str, codec_dir: str, name: str, metrics: Mapp
 
 @task(name="promote-codec", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def promote_version(name: str, version: str, rule: Mapping[str, Any],
-                    champion_metrics: Mapping[str, float] | None = None) -> dict[str, Any]:
+                    champion_metrics: Mapping[str, float] | None = None,
+                    paired: Sequence[Mapping[str, Any]] | None = None, paired_note: str = "",
+                    paired_champion: str | None = None) -> dict[str, Any]:
     decision = registry.promote_if_not_worse(name, version, registry.PromotionRule(**rule),
-                                             champion_metrics=champion_metrics)
+                                             champion_metrics=champion_metrics, paired=paired,
+                                             paired_note=paired_note, paired_champion=paired_champion)
     say(decision.text())
     return {"promoted": decision.promoted, "reason": decision.reason, "champion_before": decision.champion_before,
-            "champion_after": decision.champion_after, "text": decision.text()}
+            "champion_after": decision.champion_after, "paired": decision.paired, "paired_note": decision.paired_note,
+            "text": decision.text()}

@@ -320,7 +320,8 @@ def test_regression_table_logic():
 
 
 def test_bench_regress_judges_scores_on_the_same_samples_against_another_version():
-    from flows.bench_regress import RegressReport, compare, paired_checks
+    from flows.bench_regress import RegressReport, compare
+    from tasks.paired import paired_checks
 
     def records(method, answers_right):
         out = []

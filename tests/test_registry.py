@@ -295,3 +295,72 @@ def test_eight_concurrent_registrations_yield_eight_versions(store, tmp_path):
     assert len(shas) == 8  # each version carries its own codec
     for v in listed:
         store.load_codec(f"models:/rkv-concurrent/{v.version}", model_config=tiny_llama_config())
+
+
+def _paired(diff: float, lo: float, hi: float, n: int = 16) -> list[dict]:
+    return [{"context_len": 2048, "n_samples": n, "difference": diff, "ci": [lo, hi]}]
+
+
+def test_promotion_judges_scores_on_the_same_samples_when_given_paired_differences(store, tmp_path):
+    suite = {"suite": "unit"}
+    reg = lambda i, rel: store.register_codec(make_codec(tmp_path / f"c{i}", seed=i), suite=suite,  # noqa: E731
+                                              metrics={"rel_score": rel, "kr_measured": 0.2})
+    v1 = reg(1, 0.95)
+    assert store.promote_if_not_worse(v1.name, "1").promoted
+    # 0.85 is 0.10 below the champion's point score, but on the same samples the interval reaches +0.10: noise
+    reg(2, 0.85)
+    d2 = store.promote_if_not_worse(v1.name, "2", paired=_paired(-0.10, -0.30, 0.10), paired_champion="1")
+    assert d2.promoted and "not worse on the same samples" in d2.reason and d2.paired[0]["ci"] == [-0.30, 0.10]
+    assert "paired rel_score ctx2048 (16 samples)" in d2.text() and "no 95% interval" in d2.text()
+    # a point score above the champion's does not hide an interval wholly below -score_tol
+    reg(3, 0.90)
+    d3 = store.promote_if_not_worse(v1.name, "3", paired=_paired(-0.20, -0.35, -0.05), paired_champion="2")
+    assert not d3.promoted and "wholly below -0.01" in d3.reason
+    # differences measured against another version than the champion are not used: the point clause is
+    d3b = store.promote_if_not_worse(v1.name, "3", paired=_paired(-0.20, -0.35, -0.05), paired_champion="1")
+    assert d3b.promoted and not d3b.paired and "measured against v1, the champion is v2" in d3b.paired_note
+    # none passed: the point clause, and the decision says why
+    reg(4, 0.80)
+    d4 = store.promote_if_not_worse(v1.name, "4", paired_note="no per-sample predictions stored for the champion")
+    assert not d4.promoted and "rel_score 0.8000 < champion 0.9000 - 0.01" in d4.reason
+    assert "point clause: no per-sample predictions stored" in d4.text()
+    # a rule without `paired` keeps the point clause even when differences are passed
+    d4b = store.promote_if_not_worse(v1.name, "4", store.PromotionRule(paired=False),
+                                     paired=_paired(0.0, -0.2, 0.2), paired_champion="3")
+    assert not d4b.promoted and d4b.paired == [] and d4b.paired_note == ""
+
+
+def test_the_champion_baseline_comes_with_its_stored_predictions(store, tmp_path):
+    """The pieces the retrain flow and bench-regress chain: the champion's stored predictions, a paired
+    judgement against a candidate's, and the registry's decision on it (no model: predictions written by hand)."""
+    import json
+
+    from registry.store import client
+    from tasks.paired import PREDICTIONS_ARTIFACT, baseline_of, judge_paired
+
+    def rows(method, right):
+        return [{"method": method, "context_len": 2048, "id": f"{t}-{i}", "task": t, "seed": 0, "answers": ["a"],
+                 "prediction": "a" if ok else "b", "score": float(ok)} for t, oks in right.items() for i, ok in enumerate(oks)]
+
+    suite = {"suite": "unit"}
+    full = rows("full", {"t": [1] * 8, "u": [1] * 8})
+    v1 = store.register_codec(make_codec(tmp_path / "c1", seed=1), suite=suite, metrics={"rel_score": 0.9375, "kr_measured": 0.2})
+    champion = full + rows("residualkv", {"t": [1] * 8, "u": [1] * 7 + [0]})
+    client().log_text(v1.run_id, "".join(json.dumps(r) + "\n" for r in champion), PREDICTIONS_ARTIFACT)
+    assert store.promote_if_not_worse(v1.name, "1").promoted
+    store.register_codec(make_codec(tmp_path / "c2", seed=2), suite=suite, metrics={"rel_score": 0.875, "kr_measured": 0.2})
+    candidate = full + rows("residualkv", {"t": [1] * 7 + [0], "u": [1] * 6 + [0, 1]})  # one answer fewer of 16
+
+    never = lambda d: pytest.fail("same suite: the stored metrics and predictions are used, nothing re-measured")  # noqa: E731
+    base = baseline_of(store.get_version(f"models:/{v1.name}@champion"), suite, never, "residualkv")
+    assert base["version"] == "1" and not base["remeasured"] and len(base["predictions"]) == len(champion)
+    checks, note = judge_paired(candidate, base["predictions"], "residualkv", 0.01, side="champion")
+    assert note == "" and checks[0].n_samples == 16 and checks[0].ci[0] < -0.01 < checks[0].ci[1]
+    d = store.promote_if_not_worse(v1.name, "2", paired=[c.as_dict() for c in checks], paired_champion=base["version"])
+    assert d.promoted, d.reason  # the point clause (0.875 < 0.9375 - 0.01) would have refused it
+    # a version without stored predictions: no paired checks, and the note says which side lacks them
+    v3 = store.register_codec(make_codec(tmp_path / "c3", seed=3), suite=suite, metrics={"rel_score": 0.9, "kr_measured": 0.2})
+    bare = baseline_of(store.get_version(f"models:/{v3.name}/3"), suite, never, "residualkv")
+    assert bare["predictions"] is None
+    assert judge_paired(candidate, None, "residualkv", 0.01, side="champion") == (
+        [], "scores kept the fixed tolerance: no per-sample predictions stored for the champion")

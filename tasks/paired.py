@@ -1,0 +1,103 @@
+"""Scores of two codec versions judged on the samples both answered (bench-regress and promotion).
+
+A rel. score over a few samples per task moves by ~0.1 between two equally good codecs (two training
+runs of one recipe differ by 0.08-0.18 here), so a fixed tolerance on point scores fails good codecs and
+passes bad ones by chance. Both gates instead take, per context length, rel_score of one version minus
+the other's on the same samples with a paired bootstrap interval (`residualkv.evaluation.stats`): worse
+only when the interval lies wholly below -tolerance. The registry judges those intervals without
+importing the evaluation code; this module computes them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import registry
+from registry.store import client, retrying
+from residualkv.evaluation.report import read_predictions
+
+from .tracking import headline_metrics
+
+PREDICTIONS_ARTIFACT = "tables/benchmark_predictions.jsonl"  # where log_results puts the harness's predictions
+
+
+@dataclass
+class PairedCheck:
+    """rel_score of the measured version minus the baseline's on the samples both answered."""
+    context_len: int
+    n_samples: int
+    difference: float
+    ci: list[float]
+    p_ahead: float
+    tolerance: float
+
+    @property
+    def metric(self) -> str:
+        return f"rel_score_ctx{self.context_len} paired ({self.n_samples} samples)"
+
+    @property
+    def regressed(self) -> bool:
+        return self.ci[1] < -self.tolerance
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "context_len": self.context_len, "n_samples": self.n_samples,
+                "difference": self.difference, "ci": self.ci, "p_ahead": self.p_ahead, "regressed": self.regressed}
+
+
+def paired_checks(measured: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]], method: str,
+                  tolerance: float) -> list[PairedCheck]:
+    """One check per context length where both runs have samples and the full cache scores (the measured run's
+    full-cache rows are the reference for both: same backbone, same samples)."""
+    from residualkv.evaluation.harness import REFERENCE, compare_by_length
+
+    records = [dict(r, method="measured") if r["method"] == method else r
+               for r in measured if r["method"] in (method, REFERENCE)]
+    records += [dict(r, method="baseline") for r in baseline if r["method"] == method]
+    return [PairedCheck(c["context_len"], c["n_samples"], c["difference"], c["ci"], c["p_a_ahead"], tolerance)
+            for c in compare_by_length(records, "measured", "baseline") if c["difference"] is not None]
+
+
+def result_predictions(result: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The per-sample predictions of a `run_evaluation` result (None when its files hold none)."""
+    found = [Path(f) for f in result.get("files", []) if str(f).endswith("_predictions.jsonl") and Path(f).is_file()]
+    return read_predictions(found[0]) if found else None
+
+
+def stored_predictions(mv) -> list[dict[str, Any]] | None:
+    """The per-sample predictions the pipeline logged beside a version's benchmark (None for versions without)."""
+    if not getattr(mv, "run_id", None):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = retrying(client().download_artifacts, mv.run_id, PREDICTIONS_ARTIFACT, tmp)
+        except Exception:  # noqa: BLE001 - absent artifact: the caller falls back to the fixed tolerance
+            return None
+        return read_predictions(path)
+
+
+def baseline_of(mv, suite: Mapping[str, Any], remeasure: Callable[[str], Mapping[str, Any]],
+                method: str) -> dict[str, Any]:
+    """Another version as the baseline of a candidate benchmarked on `suite`: its stored metrics and predictions
+    when it was benchmarked on the same suite, else both from `remeasure(codec_dir)` (a `run_evaluation` result)."""
+    if registry.version_suite(mv) == suite:
+        return {"version": str(mv.version), "metrics": registry.version_metrics(mv),
+                "predictions": stored_predictions(mv), "remeasured": False}
+    result = remeasure(str(registry.fetch_codec_dir(f"models:/{mv.name}/{mv.version}")))
+    return {"version": str(mv.version), "metrics": headline_metrics(result["rows"], method),
+            "predictions": result_predictions(result), "remeasured": True}
+
+
+def judge_paired(mine: Sequence[Mapping[str, Any]] | None, theirs: Sequence[Mapping[str, Any]] | None,
+                 method: str, tolerance: float, *, side: str = "baseline") -> tuple[list[PairedCheck], str]:
+    """(checks, note): the note says why there are none, so a caller that falls back says so."""
+    if mine is None or theirs is None:
+        missing = side if mine is not None else "measured run"
+        return [], f"scores kept the fixed tolerance: no per-sample predictions stored for the {missing}"
+    checks = paired_checks(mine, theirs, method, tolerance)
+    if not checks:
+        return [], ("scores kept the fixed tolerance: no paired comparison (no shared samples, or the full "
+                    "cache scores 0 on them, or a task has a single sample)")
+    return checks, ""
