@@ -511,3 +511,21 @@ def test_rkv_eval_cli_needs_a_codec_only_when_asked(tmp_path):
                           env=env)
     assert proc.returncode != 0 and "rkv train --backbone smollm2-135m" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_loss_by_task_adds_up_to_what_rel_score_leaves():
+    """benchmarks/loss_by_task.py splits 1 - rel_score into per-task shares; on a committed pooled run
+    (written by the harness's own rel_score) the shares add up exactly."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("loss_by_task", root / "benchmarks" / "loss_by_task.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = json.loads((root / "benchmarks/results/retrained/synthetic_2k_pooled.json").read_text())
+    split = mod.loss_by_task(rows)
+    assert len(split) == len(rows) - 1 and all(d["counted"] for d in split.values())
+    for d in split.values():
+        assert abs(sum(d["loss"].values()) - (1 - d["rel_score"])) < 1e-9, d
