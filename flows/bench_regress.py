@@ -158,7 +158,8 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
         base = baseline_of(base_mv, suite, lambda d: run_evaluation(ref, d, config, progress=progress), suite["method"])
         if base["remeasured"]:
             baseline, source = base["metrics"], f"the champion (v{base_mv.version}) re-measured on this suite"
-        checks, note = judge_paired(result_predictions(result), base["predictions"], suite["method"], tolerance)
+        checks, why = judge_paired(result_predictions(result), base["predictions"], suite["method"], tolerance)
+        note = f"scores kept the fixed tolerance: {why}" if why else ""
     report = RegressReport(uri=uri, version=str(mv.version), baseline_source=source,
                            comparisons=compare(baseline, measured, tolerance, paired=bool(checks)),
                            measured=measured, rows=result["rows"], paired=checks, paired_note=note)

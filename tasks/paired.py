@@ -92,12 +92,12 @@ def baseline_of(mv, suite: Mapping[str, Any], remeasure: Callable[[str], Mapping
 
 def judge_paired(mine: Sequence[Mapping[str, Any]] | None, theirs: Sequence[Mapping[str, Any]] | None,
                  method: str, tolerance: float, *, side: str = "baseline") -> tuple[list[PairedCheck], str]:
-    """(checks, note): the note says why there are none, so a caller that falls back says so."""
+    """(checks, why): `why` says why there are no checks, so a caller that falls back can say so."""
     if mine is None or theirs is None:
         missing = side if mine is not None else "measured run"
-        return [], f"scores kept the fixed tolerance: no per-sample predictions stored for the {missing}"
+        return [], f"no per-sample predictions stored for the {missing}"
     checks = paired_checks(mine, theirs, method, tolerance)
     if not checks:
-        return [], ("scores kept the fixed tolerance: no paired comparison (no shared samples, or the full "
-                    "cache scores 0 on them, or a task has a single sample)")
+        return [], ("no paired comparison (no shared samples, or the full cache scores 0 on them, or a task "
+                    "has a single sample)")
     return checks, ""

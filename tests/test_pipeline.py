@@ -371,3 +371,21 @@ def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():
     kr = validate_kr_cr([dict(ok, rel_score_ci_lo=0.3, rel_score_ci_hi=0.7)], methods=["residualkv"],
                         beta=0.0, kr_tol=1e-3)
     assert len(kr) == 1
+
+
+def test_a_paired_promotion_rule_reads_both_sides_predictions_in_the_flow(smoke, store):
+    """The retrain flow with a rel_score rule (`paired: true`, the default profiles' rule): the champion's stored
+    predictions and the candidate's reach the paired check. A random tiny model scores 0 on every task, so the
+    check finds no signal, and the decision says so. (Last in this file: it registers another version.)"""
+    profile = write_profile(smoke["root"], name="smoke-paired",
+                            registry={"promotion": {"score_metric": "rel_score", "higher_is_better": True,
+                                                    "score_tol": 0.02, "kr_metric": "kr_measured", "kr_tol": 0.005,
+                                                    "paired": True}})
+    proc = rkv(["run", "--profile", str(profile), "--json", str(smoke["root"] / "summary3.json")], smoke["data"])
+    (b,) = json.loads((smoke["root"] / "summary3.json").read_text())["backbones"]
+    assert b["train"]["cached"] is True, proc.stdout[-4000:] + proc.stderr[-4000:]
+    p = b["promotion"]
+    assert p["paired"] == [] and p["paired_note"].startswith("rel_score judged by the point clause: no paired comparison"), p
+    mv = store.get_version(f"models:/rkv-tiny-llama/{b['registered']['version']}")
+    assert "no 95% interval" in mv.tags["rkv.promotion_rule"]
+    assert json.loads(mv.tags["rkv.promotion"])["paired_note"] == p["paired_note"]

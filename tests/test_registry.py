@@ -7,7 +7,6 @@ MLflow's SQLAlchemy store, artifact upload/download, aliases, 8 concurrent regis
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from pathlib import Path
 
 import pytest
@@ -363,4 +362,4 @@ def test_the_champion_baseline_comes_with_its_stored_predictions(store, tmp_path
     bare = baseline_of(store.get_version(f"models:/{v3.name}/3"), suite, never, "residualkv")
     assert bare["predictions"] is None
     assert judge_paired(candidate, None, "residualkv", 0.01, side="champion") == (
-        [], "scores kept the fixed tolerance: no per-sample predictions stored for the champion")
+        [], "no per-sample predictions stored for the champion")
