@@ -31,16 +31,14 @@ sys.path.insert(0, str(ROOT))
 from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
 from residualkv.evaluation.harness import build_method_cache, eos_ids, greedy, suite_samples  # noqa: E402
-from residualkv.evaluation.samples import encode_prompt, generation_budget, prompt_text  # noqa: E402
+from residualkv.evaluation.samples import encode_prompt, generation_budget, tokenize_prompt  # noqa: E402
 from residualkv.evaluation.synthetic import suite_tasks  # noqa: E402
 from tasks.common import cache_defaults  # noqa: E402
 
 
 def answer_positions(tokenizer, sample, n_prompt: int) -> set[int]:
     """Prompt token indices whose characters overlap an occurrence of an answer in the prompt text."""
-    text = prompt_text(tokenizer, sample)
-    enc = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None),
-                    return_offsets_mapping=True)
+    text, enc = tokenize_prompt(tokenizer, sample, offsets=True)
     spans = []
     for a in sample.answers:
         start = text.find(a)

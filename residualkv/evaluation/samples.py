@@ -111,11 +111,17 @@ def prompt_text(tokenizer, sample: Sample) -> str:
     return message + ("\n\n" + sample.answer_prefix if sample.answer_prefix else "\n\nAnswer:")
 
 
-def encode_prompt(tokenizer, sample: Sample) -> list[int]:
+def tokenize_prompt(tokenizer, sample: Sample, offsets: bool = False):
+    """The prompt's text and its encoding (with character offsets when asked): the one rule for how a
+    prompt becomes tokens, shared by the harness and the diagnostics that map answers to positions."""
     text = prompt_text(tokenizer, sample)
     # a chat template already writes its special tokens as text; adding them again would double the BOS
     special = not getattr(tokenizer, "chat_template", None)
-    return tokenizer(text, add_special_tokens=special).input_ids
+    return text, tokenizer(text, add_special_tokens=special, return_offsets_mapping=offsets)
+
+
+def encode_prompt(tokenizer, sample: Sample) -> list[int]:
+    return tokenize_prompt(tokenizer, sample)[1].input_ids
 
 
 def generation_budget(tokenizer, sample: Sample, floor: int | None = None) -> int:
