@@ -381,6 +381,42 @@ def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
     assert "| method |" in (tmp_path / "run.md").read_text()
 
 
+def test_full_from_reuses_the_full_cache_answers_of_an_earlier_run(tmp_path, tiny_lm, tok):
+    """--full-from: the full cache's answers of an earlier run on the same samples are not generated again;
+    a sample the earlier run lacks, or one with another budget, runs."""
+    from residualkv.evaluation.cli import _full_records
+    from residualkv.evaluation.report import read_predictions
+
+    samples = [Sample(id=f"s{i}", task="t", context=f"The code is {i}{i}{i}. " + "Filler text. " * 20,
+                      question="What is the code?", answers=[f"{i}{i}{i}"], max_new_tokens=3) for i in range(3)]
+    first = evaluate(tiny_lm, tok, ["kivi4"], samples=samples[:2], context_len=None, ppl_tokens=0,
+                     out_dir=tmp_path, stem="first", progress=False)
+    earlier = read_predictions(tmp_path / "first_predictions.jsonl")
+    longer = Sample(id="s1", task="t", context=samples[1].context, question=samples[1].question,
+                    answers=samples[1].answers, max_new_tokens=4)  # same id, another budget: not the same run
+    rows = evaluate(tiny_lm, tok, ["kivi4"], samples=[samples[0], longer, samples[2]], context_len=None, ppl_tokens=0,
+                    reference=earlier, out_dir=tmp_path, stem="second", progress=False)
+    full = {r["id"]: r for r in read_predictions(tmp_path / "second_predictions.jsonl") if r["method"] == "full"}
+    old = {r["id"]: r for r in earlier if r["method"] == "full"}
+    assert full["s0"]["reused"] and full["s0"]["prediction"] == old["s0"]["prediction"]
+    assert full["s0"]["wall_s"] == old["s0"]["wall_s"]  # the stored record, not a new generation
+    assert not full["s1"].get("reused") and full["s1"]["max_new_tokens"] == 4
+    assert not full["s2"].get("reused")
+    by = {r["method"]: r for r in rows}
+    assert by["full"]["reused_samples"] == 1 and by["kivi4"]["reused_samples"] == 0
+    assert by["full"]["n_samples"] == 3 and first[0]["reused_samples"] == 0
+    # another seed's records are not this run's samples
+    assert evaluate(tiny_lm, tok, ["full"], samples=samples[:1], context_len=None, ppl_tokens=0, seed=1,
+                    reference=earlier, progress=False)[0]["reused_samples"] == 0
+    # the CLI reads the predictions file and refuses a run of another backbone
+    assert len(_full_records([str(tmp_path / "first_predictions.jsonl")], "tiny")) == 2
+    (tmp_path / "first.json").write_text(json.dumps([{"method": "full", "backbone": "other-model"}]))
+    with pytest.raises(SystemExit, match="evaluated other-model, not tiny"):
+        _full_records([str(tmp_path / "first_predictions.jsonl")], "tiny")
+    with pytest.raises(SystemExit, match="no such predictions file"):
+        _full_records([str(tmp_path / "missing_predictions.jsonl")], "tiny")
+
+
 def test_perplexity_pools_disjoint_windows(tmp_path, tiny_lm, tok):
     """--ppl-windows: consecutive held-out windows, each through its own cache, pooled per token."""
     import math

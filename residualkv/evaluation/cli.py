@@ -65,6 +65,10 @@ def register(subparsers) -> None:
     e.add_argument("--ppl-windows", type=int, default=1,
                    help="disjoint held-out windows (context + continuation each) pooled into one perplexity")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--full-from", action="append", default=[], metavar="RUN_predictions.jsonl",
+                   help="reuse the full cache's answers of an earlier run on the same backbone (its predictions "
+                        "file; repeatable): samples it holds at the same seed, length and budget are not generated "
+                        "again, the rest run as usual")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=cmd_eval)
@@ -188,11 +192,12 @@ def cmd_eval(args) -> int:
     if needs_codec:
         codec = resolve_codec(args.codec, model, spec)  # SystemExit with how to train one when there is none
         codec_note = args.codec or (latest_codec_path(spec.name) if spec else None) or "latest trained"
+    reference = _full_records(args.full_from, args.backbone)
     json_path = Path(args.json)
     rows = evaluate(model, tok, methods, codec, cfg, samples=samples, suite=suite, tasks=tasks,
                     context_len=lengths if lengths is None or len(lengths) > 1 else lengths[0],
                     n_samples=args.n_samples, seed=args.seed, ppl_context=args.ppl_context,
-                    ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows,
+                    ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows, reference=reference,
                     out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
                     json_path=json_path, progress=not args.no_progress,
                     extra={"backbone": args.backbone, "codec": str(codec_note) if codec_note else None,
@@ -201,6 +206,35 @@ def cmd_eval(args) -> int:
     print(f"[rkv eval] wrote {json_path} (+ .csv, .md, _score_vs_kr.png, _predictions.jsonl in "
           f"{args.out_dir or json_path.parent})", file=sys.stderr)
     return 0
+
+
+def _full_records(paths: list[str], backbone: str) -> list[dict]:
+    """The full-cache records of earlier runs' predictions files (--full-from), checked to come from
+    `backbone` where the run's JSON beside them names one."""
+    import json
+
+    from .harness import REFERENCE
+    from .report import read_predictions
+
+    out = []
+    for spec in paths:
+        f = Path(spec)
+        if not f.is_file():
+            raise SystemExit(f"--full-from {spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl "
+                             "next to --json)")
+        rows_file = f.with_name(f.name.removesuffix("_predictions.jsonl") + ".json")
+        if rows_file.is_file():
+            named = {r.get("backbone") for r in json.loads(rows_file.read_text(encoding="utf-8")) if r.get("backbone")}
+            if named and named != {backbone}:
+                raise SystemExit(f"--full-from {spec}: that run evaluated {', '.join(sorted(named))}, not {backbone}; "
+                                 "the full cache's answers belong to their backbone: drop --full-from or pass a run "
+                                 f"of --backbone {backbone}")
+        try:
+            run = read_predictions(f)
+        except (json.JSONDecodeError, KeyError) as err:
+            raise SystemExit(f"--full-from {spec}: not a predictions JSONL ({err})") from None
+        out += [r for r in run if r.get("method") == REFERENCE]
+    return out
 
 
 def _fail_early_without_codec(backbone: str) -> None:

@@ -17,7 +17,9 @@ Per (method, context length) row:
                                 stratified by task (stats.py); None for the full cache and without signal
   tasks / rel_tasks             per-task scores and score / full score (None where the full score is 0)
   ppl, nll, ppl_rel             perplexity through the cache and ppl / full ppl
-  time_s, s_per_sample, prefill_tok_s, decode_tok_s   wall-clock figures of this process
+  time_s, s_per_sample, prefill_tok_s, decode_tok_s   wall-clock figures of this process (records reused from
+                                an earlier run, `reference` below, keep that run's figures)
+  reused_samples                how many of the row's samples were taken from that earlier run
 The full FP16 cache is always run (added first when not requested): quality is relative to it.
 """
 
@@ -192,7 +194,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
              samples: Sequence[Sample] | None = None, suite: str = "synthetic", tasks: Sequence[str] | None = None,
              context_len: int | Sequence[int] | None = 2048, n_samples: int = 5, seed: int = 0,
              ppl_context: int | None = None, ppl_tokens: int = 64, ppl_windows: int = 1,
-             min_new_tokens: int | None = None,
+             min_new_tokens: int | None = None, reference: Sequence[dict[str, Any]] | None = None,
              out_dir: str | Path | None = None, stem: str = "eval", json_path: str | Path | None = None,
              progress: bool = True, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run `methods` side by side on the same inputs; return one row per (method, context length).
@@ -207,6 +209,10 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     Files: with `out_dir`, writes <stem>.json/.csv/.md, <stem>_score_vs_kr.png and, when anything was
     generated, <stem>_predictions.jsonl (the JSON at `json_path` instead when given). `extra` fields are
     copied into every row.
+    `reference`: the full cache's records of an earlier run (its predictions file) on the same backbone. A
+    sample they hold -- same context length, id, answers, seed, prompt length and generation budget -- takes
+    the stored full-cache answer instead of generating it again (greedy decoding of the same model gives
+    the same answer; the record keeps its original timings and says it was reused); any other sample runs.
     """
     from tqdm.auto import tqdm
 
@@ -230,6 +236,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     total = (sum(len(s) for _, s in groups) * len(methods)
              + (len(groups) * len(methods) * ppl_windows if ppl_runs else 0))
 
+    stored = _reference_index(reference, seed)
     records: list[dict[str, Any]] = []
     ppl_results: dict[tuple[str, int], dict[str, Any]] = {}
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, desc="eval", unit="run", dynamic_ncols=True)
@@ -240,6 +247,11 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                 budget = generation_budget(tokenizer, sample, min_new_tokens)
                 for m in methods:
                     bar.set_postfix_str(f"{L or ''} {sample.task} {m}")
+                    known = stored.get((L, sample.id, tuple(sample.answers), len(ids), budget)) if m == REFERENCE else None
+                    if known is not None:
+                        records.append(known)
+                        bar.update(1)
+                        continue
                     cache = build_method_cache(m, model, codec, base_config)
                     t0 = time.perf_counter()
                     g = greedy(model, tokenizer, cache, ids, budget, stop)
@@ -288,6 +300,17 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
 
         write_outputs(rows, out_dir=out_dir, stem=stem, json_path=json_path, records=records)
     return rows
+
+
+def _reference_index(reference: Sequence[dict[str, Any]] | None, seed: int) -> dict[tuple, dict[str, Any]]:
+    """An earlier run's full-cache records of this seed, by what makes a generation the same one."""
+    out = {}
+    for r in reference or ():
+        if r.get("method") == REFERENCE and r.get("seed", seed) == seed:
+            key = (r.get("context_len"), r.get("id"), tuple(r.get("answers") or ()), r.get("prompt_tokens"),
+                   r.get("max_new_tokens"))
+            out[key] = {**r, "seed": seed, "reused": True}
+    return out
 
 
 def sample_key(record: dict[str, Any]) -> tuple:
@@ -402,6 +425,7 @@ def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], 
                 "rel_tasks": {t: (scores.get(t, 0.0) / ref[t] if t in signal else None) for t in task_names},
                 "tasks_without_signal": [t for t in task_names if t not in signal],
                 "n_samples": len(mine),
+                "reused_samples": sum(1 for r in mine if r.get("reused")),
                 "ppl": ppl["ppl"] if ppl else None,
                 "nll": ppl["nll"] if ppl else None,
                 "ppl_rel": (ppl["ppl"] / ref_ppl["ppl"]) if ppl and ref_ppl else None,
