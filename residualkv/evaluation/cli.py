@@ -231,7 +231,7 @@ def _full_records(paths: list[str], backbone: str) -> list[dict]:
                                  f"of --backbone {backbone}")
         try:
             run = read_predictions(f)
-        except (json.JSONDecodeError, KeyError) as err:
+        except json.JSONDecodeError as err:
             raise SystemExit(f"--full-from {spec}: not a predictions JSONL ({err})") from None
         out += [r for r in run if r.get("method") == REFERENCE]
     return out
