@@ -565,3 +565,29 @@ def test_loss_by_task_adds_up_to_what_rel_score_leaves():
     assert len(split) == len(rows) - 1 and all(d["counted"] for d in split.values())
     for d in split.values():
         assert abs(sum(d["loss"].values()) - (1 - d["rel_score"])) < 1e-9, d
+
+
+def test_user_facts_writes_a_user_jsonl_that_fits_and_holds_its_answers(tmp_path, tok):
+    """benchmarks/user_facts.py: contract fields only, each prompt within 32 tokens under the length (so
+    `rkv eval --context-len` never truncates it), the fact stated once in the context, deterministic."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("user_facts", ROOT / "benchmarks" / "user_facts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    samples = mod.make_samples(tok, 512, 6, seed=1)
+    assert len({s.id for s in samples}) == 6
+    for s in samples:
+        assert 512 - mod.SLACK <= len(encode_prompt(tok, s)) <= 512
+        (answer,) = s.answers
+        assert s.context.count(s.meta["fact"]) == 1 and answer in s.meta["fact"]
+    again = mod.make_samples(tok, 512, 6, seed=1)
+    assert [s.context for s in again] == [s.context for s in samples]
+    assert [s.context for s in mod.make_samples(tok, 512, 6, seed=2)] != [s.context for s in samples]
+    out = tmp_path / "facts.jsonl"
+    rows = [{"id": s.id, "context": s.context, "question": s.question, "answers": s.answers} for s in samples]
+    write_jsonl(rows, out)
+    assert [json.loads(line).keys() for line in out.read_text().splitlines()][0] == {"id", "context", "question",
+                                                                                      "answers"}
+    assert [s.context for s in load_jsonl(out)] == [s.context for s in samples]
