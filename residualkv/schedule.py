@@ -9,6 +9,7 @@ fixed stride. The schedule is extended lazily, so it works token by token while 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 
 import torch
 
@@ -19,24 +20,31 @@ class ReferenceSchedule:
         self.stride = int(stride)
         self.alpha = float(alpha)
         self._positions: list[int] = list(range(self.n_sink))  # ref ordinals, increasing
+        # the same ordinals as a tensor, grown with the list: every layer asks at every decode step, and
+        # rebuilding it from the list each time cost more than the step's reference bookkeeping itself
+        self._tensor = torch.arange(self.n_sink, dtype=torch.long)
         self._next = self.n_sink  # next non-sink reference ordinal
 
     def _extend(self, n: int) -> None:
+        new = []
         while self._next < n:
-            self._positions.append(self._next)
+            new.append(self._next)
             self._next += self.stride + math.floor(self.alpha * (self._next - self.n_sink))
+        if new:
+            self._positions.extend(new)
+            self._tensor = torch.cat([self._tensor, torch.tensor(new, dtype=torch.long)])
 
     def ref_ordinals(self, n: int) -> torch.Tensor:
         """Ordinals of the references among the first n tokens."""
         self._extend(n)
-        return torch.tensor([p for p in self._positions if p < n], dtype=torch.long)
+        return self._tensor[: bisect_left(self._positions, n)].clone()
 
     def is_ref(self, start: int, end: int) -> torch.Tensor:
         """Boolean mask over ordinals [start, end)."""
         mask = torch.zeros(max(end - start, 0), dtype=torch.bool)
-        refs = self.ref_ordinals(end)
-        refs = refs[refs >= start]
-        mask[refs - start] = True
+        self._extend(end)
+        lo, hi = bisect_left(self._positions, start), bisect_left(self._positions, end)
+        mask[self._tensor[lo:hi] - start] = True
         return mask
 
     def count(self, n: int) -> int:

@@ -44,6 +44,12 @@ def test_schedule_recurrence_and_incremental():
     step = ReferenceSchedule(n_sink=4, stride=5, alpha=0.1)
     mask = torch.cat([step.is_ref(i, i + 1) for i in range(200)])  # token by token, as in decoding
     assert mask.nonzero().flatten().tolist() == refs
+    # the grown schedule answers shorter spans as a fresh one does, and a caller's edit cannot reach it
+    fresh = ReferenceSchedule(n_sink=4, stride=5, alpha=0.1)
+    assert step.ref_ordinals(57).tolist() == fresh.ref_ordinals(57).tolist() == [r for r in refs if r < 57]
+    assert step.is_ref(13, 90).tolist() == fresh.is_ref(13, 90).tolist() == mask[13:90].tolist()
+    step.ref_ordinals(200).zero_()
+    assert step.ref_ordinals(200).tolist() == refs and step.count(200) == len(refs)
 
 
 def test_table_vi_reference_counts_order_of_magnitude():
