@@ -84,6 +84,11 @@ def make_samples(tokenizer, context_len: int, n: int, seed: int) -> list[Sample]
     return samples
 
 
+def user_rows(samples: list[Sample]) -> list[dict]:
+    """The rows as a user would write them: the four contract fields and nothing of ours."""
+    return [{"id": s.id, "context": s.context, "question": s.question, "answers": s.answers} for s in samples]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context-len", type=int, required=True, help="prompt tokens at most (chat template included)")
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(fetch_backbone(args.backbone))
     samples = make_samples(tokenizer, args.context_len, args.n, args.seed)
-    rows = [{"id": s.id, "context": s.context, "question": s.question, "answers": s.answers} for s in samples]
+    rows = user_rows(samples)
     write_jsonl(rows, args.out)
     print(f"wrote {len(rows)} rows to {args.out}")
     return 0

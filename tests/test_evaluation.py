@@ -586,8 +586,7 @@ def test_user_facts_writes_a_user_jsonl_that_fits_and_holds_its_answers(tmp_path
     assert [s.context for s in again] == [s.context for s in samples]
     assert [s.context for s in mod.make_samples(tok, 512, 6, seed=2)] != [s.context for s in samples]
     out = tmp_path / "facts.jsonl"
-    rows = [{"id": s.id, "context": s.context, "question": s.question, "answers": s.answers} for s in samples]
-    write_jsonl(rows, out)
-    assert [json.loads(line).keys() for line in out.read_text().splitlines()][0] == {"id", "context", "question",
-                                                                                      "answers"}
+    write_jsonl(mod.user_rows(samples), out)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6 and all(json.loads(line).keys() == {"id", "context", "question", "answers"} for line in lines)
     assert [s.context for s in load_jsonl(out)] == [s.context for s in samples]
