@@ -108,8 +108,22 @@ def encode_ref(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def decode_ref(stored: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if fmt == "fp8":
+        if stored.device.type == "cpu":
+            return _fp8_bits_to(stored, dtype)
         return stored.view(torch.float8_e4m3fn).to(dtype)
     return stored.to(dtype)
+
+
+def _fp8_bits_to(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3fn bytes -> `dtype`, bit-exact with torch's conversion (NaN included), ~2.5x faster on CPU,
+    where torch converts FP8 element by element. Shifted up 7 bits, an e4m3 byte's exponent and mantissa
+    are an FP16 number 2^-8 times its value (the biases are 7 and 15), subnormals included, so one exact
+    x256 finishes the decode; S.1111.111 (e4m3's only NaN) gets FP16's all-ones exponent."""
+    i = b.to(torch.int16)
+    m = i & 0x7F
+    nan = (m + 1).bitwise_right_shift_(7).mul_(0x7C00)
+    h = m.bitwise_left_shift_(7).bitwise_or_(i.bitwise_and_(0x80).bitwise_left_shift_(8)).bitwise_or_(nan)
+    return h.view(torch.float16).to(dtype).mul_(256)
 
 
 def ref_roundtrip(x: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -4,10 +4,11 @@ import math
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from residualkv.codec import LayerCodec
 from residualkv.config import CodecDims, ConfigError, ResidualKVConfig
-from residualkv.quant import dequantize, encode_ref, pack_bits, quant_error_bound, quantize, ref_roundtrip, unpack_bits
+from residualkv.quant import decode_ref, dequantize, encode_ref, pack_bits, quant_error_bound, quantize, ref_roundtrip, unpack_bits
 from residualkv.retrieval import mean_of_refs, topk_refs
 from residualkv.rope import RopeTable, apply_rope, invert_rope
 from residualkv.schedule import ReferenceSchedule
@@ -154,6 +155,20 @@ def test_fp8_references_are_one_byte():
     assert torch.isfinite(ref_roundtrip(torch.tensor([1e6, -1e6]), "fp8")).all()  # saturates, no NaN
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fp8_decode_matches_torch_on_every_byte(dtype):
+    # the CPU decode works on the bits; every one of the 256 patterns (±0, subnormals, ±448, NaN) must
+    # come out as torch's own conversion does, in any layout
+    b = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    ours, torchs = decode_ref(b, "fp8", dtype), b.view(torch.float8_e4m3fn).to(dtype)
+    assert ours.dtype == dtype and ours.shape == b.shape
+    assert torch.equal(ours.isnan(), torchs.isnan()) and int(ours.isnan().sum()) == 2
+    assert torch.equal(ours.nan_to_num(), torchs.nan_to_num())
+    assert torch.equal(ours.signbit()[~ours.isnan()], torchs.signbit()[~torchs.isnan()])  # -0 stays -0
+    assert torch.equal(decode_ref(b.t(), "fp8", dtype).nan_to_num(), torchs.t().nan_to_num())
+
+
 # ---- RoPE ----
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -166,6 +181,8 @@ def test_unrotate_rerotate_exact(scaling):
     cos, sin = table.cos_sin(pos, torch.float32)
     k = torch.randn(1, 2, 6, 16)
     rotated = apply_rope(k, cos, sin)
+    # the model's own rotation, bit for bit (the cache re-rotates with the model's numbers)
+    assert torch.equal(rotated, apply_rotary_pos_emb(k, k, cos, sin)[1])
     torch.testing.assert_close(invert_rope(rotated, cos, sin), k, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(apply_rope(invert_rope(rotated, cos, sin), cos, sin), rotated, rtol=1e-6, atol=1e-6)
 
