@@ -172,17 +172,18 @@ class ResidualStore:
         stored = encode_ref(new_refs.detach(), cfg.ref_format)
         refs_hat = new_refs + (decode_ref(stored, cfg.ref_format) - new_refs).detach()
         out[:, is_ref] = refs_hat
-        old = self.decoded_refs()
-        all_refs = refs_hat if old is None else torch.cat([old, refs_hat], dim=1)
+        r_old = self.n_refs
         self.refs = _cat(self.refs, stored)
 
         is_code = ~is_ref
         if bool(is_code.any()):
             x = kv[:, is_code]
             # references strictly before each token: the old ones plus those earlier in this chunk
-            n_avail = (self.n_refs - int(is_ref.sum())) + torch.cumsum(is_ref.long(), 0)[is_code]
-            idx = topk_l2(x.detach(), all_refs.detach(), n_avail, cfg.k, impl=cfg.kernel_impl)
-            mean = mean_of_refs(all_refs, idx)
+            n_avail = r_old + torch.cumsum(is_ref.long(), 0)[is_code]
+            # the search reads the stored bytes (the kernel decodes them in registers): a decode step
+            # must not decode, copy or convert the whole reference history
+            idx = topk_l2(x.detach(), self.refs, n_avail, cfg.k, ref_format=cfg.ref_format, impl=cfg.kernel_impl)
+            mean = self._mean_of_chosen(idx, refs_hat, r_old)
             z = self.codec.encode(x, mean).float()
             packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
             z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
@@ -202,6 +203,25 @@ class ResidualStore:
             self.grad_history = _cat(self.grad_history, out)
         self.n += T
         return out
+
+    def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor, r_old: int) -> torch.Tensor:
+        """Mean of the references `idx` [B, T, k] (-1 = unused) picked for new tokens, decoding only those
+        (each once): earlier references from their bytes, this call's from `refs_hat` [B, R_new, d], which
+        carries the straight-through gradient. Same rows in the same order as `mean_of_refs` over every
+        reference, so the same bits."""
+        B, T, k = idx.shape
+        R = max(self.n_refs, 1)  # (no references yet: every entry is -1)
+        valid = idx >= 0
+        flat = (torch.arange(B, device=idx.device)[:, None, None] * R + idx)[valid]
+        rows, slot = torch.unique(flat, return_inverse=True)
+        rb, rr = rows // R, rows % R
+        old = rr < r_old
+        table = refs_hat.new_empty(rows.numel(), refs_hat.shape[-1])
+        table[old] = decode_ref(self.refs[rb[old], rr[old]], self.cfg.ref_format)
+        table[~old] = refs_hat[rb[~old], rr[~old] - r_old]
+        local = torch.full_like(idx, -1)
+        local[valid] = slot
+        return mean_of_refs(table[None], local.reshape(1, B * T, k))[0].reshape(B, T, -1)
 
     def read(self, rope: Rope | None = None):
         """Reconstruct every stored token (after an eviction: every visible one): [B, n, 2·d_k] float32
