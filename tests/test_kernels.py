@@ -474,6 +474,31 @@ def _filled_stores(d_kv: int, seed: int) -> dict[str, ResidualStore]:
     return stores
 
 
+def test_decode_step_write_decodes_only_the_references_its_mean_uses(monkeypatch):
+    """On the kernels a one-token write reads the references' bytes for its top-k search and decodes
+    only the k it averages: nothing in a decode step's write grows with the reference history."""
+    import residualkv.cache as cache_mod
+
+    stores = _filled_stores(384, seed=5)
+    decoded_rows = []
+
+    def counting(stored, fmt, dtype=torch.float32):
+        decoded_rows.append(stored.numel() // stored.shape[-1])
+        return decode_ref(stored, fmt, dtype)
+
+    monkeypatch.setattr(cache_mod, "decode_ref", counting)
+    new = _randn(2, 2, 384, seed=9).cpu()  # ordinals 37 and 38: codes under stride 4 after 2 sinks
+    outs = {}
+    for impl, store in stores.items():
+        assert not bool(store.schedule.is_ref(store.n, store.n + 1).any())
+        decoded_rows.clear()
+        with torch.no_grad():
+            outs[impl] = store.write(new[:, :1])
+        if impl == "triton":
+            assert 0 < sum(decoded_rows) <= 2 * store.cfg.k, decoded_rows  # 2 rows x k references
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+
+
 def test_store_reads_on_kernels_split_wide_rows_into_tiles():
     """2·d_k = 384 (SmolLM2) is reconstructed as 2 tiles of 96 per K and V: read() and read_selected()
     on the kernel equal the torch path."""
