@@ -480,6 +480,14 @@ def test_selection_ratio_variants(tiny_lm):
     assert method_needs_codec("residualkv-r10") and not method_needs_codec("omnikv-r15")
     cache = build_method_cache("omnikv-r15", tiny_lm, base=ResidualKVConfig(full_attention_layers=(0,)))
     assert cache.config.select_ratio == 0.15 and cache.config.mode == "omnikv"
+    # ResidualKV + SnapKV at the SnapKV baseline's ratio (its default 2048-token budget keeps a 2K prompt whole)
+    from residualkv.codec import ResidualCodec
+
+    assert known_method("residualkv-snapkv-r20") and method_needs_codec("residualkv-snapkv-r20")
+    assert not known_method("snapkv-r20")
+    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=16)
+    cache = build_method_cache("residualkv-snapkv-r20", tiny_lm, codec)
+    assert cache.config.select_ratio == 0.2 and cache.config.mode == "snapkv"
 
 
 def test_write_outputs_refuses_rows_without_the_contract(tmp_path):

@@ -45,7 +45,8 @@ def register(subparsers) -> None:
     e.add_argument("--methods", default=None,
                    help="comma list of methods (default: every registered method and snapkv); 'full' is always run "
                         "as the reference; snapkv-NN keeps NN%% of the prompt; residualkv-rNN / omnikv-rNN select "
-                        "NN%% of the history per decode step")
+                        "NN%% of the history per decode step; residualkv-snapkv-rNN keeps NN%% of the prompt "
+                        "on the compressed layers")
     e.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--tasks", default=None, metavar="FILE.jsonl",
@@ -172,7 +173,8 @@ def cmd_eval(args) -> int:
                 method_needs_codec(m)
             except ValueError as err:
                 raise SystemExit(f"{err}, snapkv, snapkv-NN (keep NN% of the prompt), residualkv-rNN / omnikv-rNN "
-                                 "(select NN% of the history per decode step)") from None
+                                 "(select NN% of the history per decode step), residualkv-snapkv-rNN (keep NN% of the "
+                                 "prompt on the compressed layers)") from None
     lengths = _int_list(args.context_len)
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"

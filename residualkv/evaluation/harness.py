@@ -45,8 +45,9 @@ from .stats import rel_score_interval
 
 REFERENCE = "full"
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
-# OmniKV selection at a ratio of the history: residualkv-r15 / omnikv-r15 select 15% per decode step
-_SELECT = re.compile(r"^(residualkv|omnikv)-r(\d+)$")
+# OmniKV selection at a ratio of the history: residualkv-r15 / omnikv-r15 select 15% per decode step;
+# residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers (the SnapKV baseline's ratio)
+_SELECT = re.compile(r"^(residualkv|omnikv|residualkv-snapkv)-r(\d+)$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def method_needs_codec(name: str) -> bool:
 
 def build_method_cache(name: str, model, codec=None, base=None):
     """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%;
-    `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio)."""
+    `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio);
+    `residualkv-snapkv-rNN` keeps NN% of the prompt on the compressed layers."""
     from ..methods import METHODS, build_cache
 
     variant = _select_variant(name)
