@@ -155,7 +155,6 @@ def test_fp8_references_are_one_byte():
     assert torch.isfinite(ref_roundtrip(torch.tensor([1e6, -1e6]), "fp8")).all()  # saturates, no NaN
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fp8_decode_matches_torch_on_every_byte(dtype):
     # the CPU decode works on the bits; every one of the 256 patterns (±0, subnormals, ±448, NaN) must
