@@ -204,21 +204,28 @@ class ResidualStore:
         self.n += T
         return out
 
+    def _ref_table(self, b: torch.Tensor, r: torch.Tensor, fresh: torch.Tensor | None = None,
+                   r_old: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode each reference named by the pairs (b, r) once: (table [M, d] float32 in (row, reference)
+        order, the table row of each pair). References from `r_old` on are this write's, taken from `fresh`
+        [B, R_new, d], which carries the straight-through gradient; the rest come from their bytes."""
+        R = max(self.n_refs, 1)
+        rows, slot = torch.unique(b * R + r, return_inverse=True)
+        ub, ur = rows // R, rows % R
+        old = ur < (self.n_refs if r_old is None else r_old)
+        table = torch.empty(rows.numel(), self.refs.shape[-1], device=self.refs.device)
+        table[old] = decode_ref(self.refs[ub[old], ur[old]], self.cfg.ref_format)
+        if fresh is not None:
+            table[~old] = fresh[ub[~old], ur[~old] - r_old]
+        return table, slot
+
     def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor, r_old: int) -> torch.Tensor:
         """Mean of the references `idx` [B, T, k] (-1 = unused) picked for new tokens, decoding only those
-        (each once): earlier references from their bytes, this call's from `refs_hat` [B, R_new, d], which
-        carries the straight-through gradient. Same rows in the same order as `mean_of_refs` over every
-        reference, so the same bits."""
+        (each once). Same rows in the same order as `mean_of_refs` over every reference, so the same bits."""
         B, T, k = idx.shape
-        R = max(self.n_refs, 1)  # (no references yet: every entry is -1)
         valid = idx >= 0
-        flat = (torch.arange(B, device=idx.device)[:, None, None] * R + idx)[valid]
-        rows, slot = torch.unique(flat, return_inverse=True)
-        rb, rr = rows // R, rows % R
-        old = rr < r_old
-        table = refs_hat.new_empty(rows.numel(), refs_hat.shape[-1])
-        table[old] = decode_ref(self.refs[rb[old], rr[old]], self.cfg.ref_format)
-        table[~old] = refs_hat[rb[~old], rr[~old] - r_old]
+        table, slot = self._ref_table(torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)[valid],
+                                      idx[valid], refs_hat, r_old)
         local = torch.full_like(idx, -1)
         local[valid] = slot
         return mean_of_refs(table[None], local.reshape(1, B * T, k))[0].reshape(B, T, -1)
@@ -330,21 +337,13 @@ class ResidualStore:
         rows = torch.arange(B, device=dev)[:, None].expand(B, S)
         rb, rp = rows[is_ref], pos[is_ref]
         cb, cp = rows[~is_ref], pos[~is_ref]
-        # which references are read: the selected ones and those the selected codes average
-        R = self.n_refs
-        need = torch.zeros(B, R, dtype=torch.bool, device=dev)
-        need[rb, rp] = True
-        if cb.numel():
-            idx = self.ref_idx[cb, cp].long()  # [N, k], -1 = unused
-            ok = idx >= 0
-            need[cb[:, None].expand_as(idx)[ok], idx[ok]] = True
-        nb, nr = need.nonzero(as_tuple=True)
-        table = decode_ref(self.refs[nb, nr], cfg.ref_format)  # [M, d]: the only references decoded
-        slot = torch.full((B, R), -1, dtype=torch.long, device=dev)
-        slot[nb, nr] = torch.arange(nb.numel(), device=dev)
-        self.refs_decoded += int(nb.numel())
+        # which references are read: the selected ones and those the selected codes average, each once
+        idx = self.ref_idx[cb, cp].long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
+        ok = idx >= 0
+        table, slot = self._ref_table(torch.cat([rb, cb[:, None].expand_as(idx)[ok]]), torch.cat([rp, idx[ok]]))
+        self.refs_decoded += int(table.shape[0])
         out = table.new_empty(B, S, table.shape[-1])
-        out[is_ref] = table[slot[rb, rp]]
+        out[is_ref] = table[slot[: rb.numel()]]
         rotated = None
         if cb.numel() and self._use_kernel():
             # per row, its selected codes in order: rank of each within its row, padded with -1
@@ -362,7 +361,8 @@ class ResidualStore:
             rotated = ~is_ref if fused else None
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
-            mean_idx = torch.where(ok, slot[cb[:, None].expand_as(idx), idx.clamp(min=0)], -1)
+            mean_idx = torch.full_like(idx, -1)
+            mean_idx[ok] = slot[rb.numel():]
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             c = self.codes
             z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
