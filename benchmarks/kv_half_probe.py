@@ -7,11 +7,13 @@ layer's history exact (the other half as the codec reconstructs it):
     python benchmarks/kv_half_probe.py values -- --methods full,residualkv --context-len 2048 --json OUT
 
     python benchmarks/kv_half_probe.py outliers:0.03 -- --methods full,residualkv --context-len 2048 --json OUT
+    python benchmarks/kv_half_probe.py values@3-7,9-11 -- --methods full,residualkv --context-len 2048 --json OUT
 
 `keys`: pre-RoPE keys exact, values reconstructed; `values`: the reverse. `outliers:P`: both halves of
 the share P of coded tokens the references predict worst (largest ‖x - mean of its k references‖², the
 threshold fixed at the first write's (1 - P) quantile per layer) exact, every other token reconstructed:
-what an exact side channel for badly predicted tokens would buy. The exact part is held beside
+what an exact side channel for badly predicted tokens would buy. `@LAYERS` (ranges and ids, e.g.
+`keys@3-7,9`) limits the exact half to those layers: which layers' error costs retrieval. The exact part is held beside
 the store and is **not counted**: the KR these rows report is the codec's, not what the diagnostic held,
 so the rows rank where the codec's error hurts, they are not a method. References keep their FP8 round
 trip in both (the half read exact is the float original). Standalone reads only (torch path); OmniKV or
@@ -29,18 +31,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from residualkv import cache as cache_mod  # noqa: E402
+from residualkv import codec as codec_mod  # noqa: E402
 from residualkv.cli import main as rkv_main  # noqa: E402
 from residualkv.retrieval import mean_of_refs  # noqa: E402
 from kernels import topk_l2  # noqa: E402
 
 
-def _install(keep, overlay) -> None:
+def _layers(spec: str) -> set[int]:
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _install(keep, overlay, layers: set[int] | None = None) -> None:
     """Patch ResidualStore: keep(store, kv, reconstruction, n_before, refs_before) edits what a write returns
-    and holds the exact part beside the store; overlay(store, history) writes it over every read."""
+    and holds the exact part beside the store; overlay(store, history) writes it over every read. With
+    `layers`, only the stores of those layers are patched (a LayerCodec learns its id at construction)."""
     store = cache_mod.ResidualStore
     write, read = store.write, store.read
+    codec_init = codec_mod.ResidualCodec.__init__
+
+    def tagging_init(self, *args, **kwargs):
+        codec_init(self, *args, **kwargs)
+        for i, layer in self.layers.items():
+            layer.probe_layer_id = int(i)
+
+    def probed(self) -> bool:
+        return layers is None or getattr(self.codec, "probe_layer_id", None) in layers
 
     def patched_write(self, kv: torch.Tensor) -> torch.Tensor:
+        if not probed(self):
+            return write(self, kv)
         n0, r0 = self.n, self.n_refs
         new = write(self, kv).clone()
         keep(self, kv, new, n0, r0)
@@ -50,7 +73,7 @@ def _install(keep, overlay) -> None:
         if self.ref_ord is not None or self.grad_history is not None:
             raise RuntimeError("kv_half_probe diagnoses standalone reads only")
         out = read(self, None)
-        if out.numel():
+        if out.numel() and probed(self):
             overlay(self, out)
         return out if rope is None else cache_mod._rotate_rest(out, rope, None)
 
@@ -58,13 +81,14 @@ def _install(keep, overlay) -> None:
         raise RuntimeError("kv_half_probe diagnoses standalone reads only (no OmniKV/SnapKV selection)")
 
     store.write, store.read, store.read_selected = patched_write, patched_read, refuse
+    codec_mod.ResidualCodec.__init__ = tagging_init
 
 
 def _append(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     return new if held is None else torch.cat([held, new], dim=1)
 
 
-def patch(half: str) -> None:
+def patch(half: str, layers: set[int] | None = None) -> None:
     def exact_slice(d: int) -> slice:
         return slice(0, d // 2) if half == "keys" else slice(d // 2, d)
 
@@ -76,7 +100,7 @@ def patch(half: str) -> None:
     def overlay(self, out):
         out[..., exact_slice(out.shape[-1])] = self.exact_half
 
-    _install(keep, overlay)
+    _install(keep, overlay, layers)
 
 
 def patch_outliers(share: float) -> None:
@@ -104,12 +128,13 @@ def patch_outliers(share: float) -> None:
 
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
-    if len(sys.argv) < 3 or sys.argv[2] != "--" or not (mode in ("keys", "values") or mode.startswith("outliers:")):
+    half, _, layer_spec = mode.partition("@")
+    if len(sys.argv) < 3 or sys.argv[2] != "--" or not (half in ("keys", "values") or mode.startswith("outliers:")):
         raise SystemExit(__doc__)
     if mode.startswith("outliers:"):
         patch_outliers(float(mode.split(":", 1)[1]))
     else:
-        patch(mode)
+        patch(half, _layers(layer_spec) if layer_spec else None)
     return rkv_main(["eval", *sys.argv[3:]])
 
 
