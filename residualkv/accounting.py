@@ -136,7 +136,7 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
     n_full = sum(isinstance(layer, KiviLayer) for layer in cache.layers)
     beta = n_full / n_layers
     d_kv = 2 * cache.num_kv_heads * cache.head_dim
-    d_c = cache.codec.dims.d_c if cache.codec is not None else d_kv
+    d_c = cache.codec.mean_d_c if cache.codec is not None else d_kv
     sched = cache.rows.schedule
     n_ord = max((cache.rows.n_slots - g.start for g in cache.rows.groups), default=0)
     rho_nominal = (1 / cfg.stride) if cfg.stride_alpha == 0 else (sched.formula_count(n_ord) - min(n_ord, cfg.n_sink)) / max(n_ord, 1)

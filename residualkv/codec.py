@@ -13,6 +13,7 @@ config, the backbone's fingerprint, the weights' sha256), so it is never attache
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -62,10 +63,15 @@ class LayerCodec(nn.Module):
 
 
 class ResidualCodec(nn.Module):
-    """One LayerCodec per compressed (non full-attention) layer of a backbone."""
+    """One LayerCodec per compressed (non full-attention) layer of a backbone.
+
+    Every layer has latent size `dims.d_c` unless `layer_d_c` {layer: d_c} gives it another: the bytes a
+    layer's error costs are not the same everywhere, so a budget can be spent unevenly (KR follows the
+    mean latent size)."""
 
     def __init__(self, dims: CodecDims, layer_ids: list[int], config: ResidualKVConfig,
-                 backbone: str = "", fingerprint: dict[str, Any] | None = None, extra: dict[str, Any] | None = None):
+                 backbone: str = "", fingerprint: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                 layer_d_c: dict[int, int] | None = None):
         super().__init__()
         self.dims = dims
         self.config = config
@@ -73,11 +79,24 @@ class ResidualCodec(nn.Module):
         self.backbone = backbone
         self.fingerprint = dict(fingerprint or {})
         self.extra = dict(extra or {})
-        self.layers = nn.ModuleDict({str(i): LayerCodec(dims) for i in self.layer_ids})
+        self.layer_d_c = {int(i): int(d) for i, d in (layer_d_c or {}).items() if int(d) != dims.d_c}
+        unknown = sorted(set(self.layer_d_c) - set(self.layer_ids))
+        if unknown:
+            raise CodecError(f"layer_d_c names layers {unknown} that have no codec (the coded layers are "
+                             f"{self.layer_ids}); give latent sizes to coded layers only")
+        if self.layer_d_c and dims.kind == "identity":
+            raise CodecError("layer_d_c: the identity codec (ResidualKV†) keeps d_c == 2*d_k in every layer")
+        self.layers = nn.ModuleDict({str(i): LayerCodec(dataclasses.replace(dims, d_c=self.layer_d_c.get(i, dims.d_c)))
+                                     for i in self.layer_ids})
+
+    @property
+    def mean_d_c(self) -> float:
+        """Latent size averaged over the coded layers: what the bytes follow."""
+        return sum(self.layer(i).dims.d_c for i in self.layer_ids) / max(len(self.layer_ids), 1)
 
     @classmethod
     def for_model(cls, model_config, config: ResidualKVConfig, d_c: int, d_ff: int, kind: str = "swiglu",
-                  backbone: str = "", seed: int = 0) -> "ResidualCodec":
+                  backbone: str = "", seed: int = 0, layer_d_c: dict[int, int] | None = None) -> "ResidualCodec":
         from .backbones import fingerprint
 
         n_layers, n_kv, head_dim = model_shape(model_config)
@@ -87,7 +106,8 @@ class ResidualCodec(nn.Module):
         layer_ids = [i for i in range(n_layers) if i not in config.full_attention_layers]
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return cls(dims, layer_ids, config, backbone=backbone, fingerprint=fingerprint(model_config))
+            return cls(dims, layer_ids, config, backbone=backbone, fingerprint=fingerprint(model_config),
+                       layer_d_c=layer_d_c)
 
     def layer(self, layer_idx: int) -> LayerCodec:
         return self.layers[str(layer_idx)]
@@ -102,6 +122,7 @@ class ResidualCodec(nn.Module):
             "fingerprint_hash": fingerprint_hash(self.fingerprint) if self.fingerprint else "",
             "dims": {"d_kv": self.dims.d_kv, "d_c": self.dims.d_c, "d_ff": self.dims.d_ff, "kind": self.dims.kind},
             "layer_ids": self.layer_ids,
+            "layer_d_c": {str(i): d for i, d in sorted(self.layer_d_c.items())},
             "cache_config": self.config.to_dict(),
             "extra": self.extra,
         }
@@ -139,7 +160,8 @@ class ResidualCodec(nn.Module):
                              f"{meta['weights_sha256'][:12]}… recorded at save time; re-download or re-train it")
         dims = CodecDims(**meta["dims"])
         codec = cls(dims, meta["layer_ids"], ResidualKVConfig.from_dict(meta["cache_config"]),
-                    backbone=meta.get("backbone", ""), fingerprint=meta.get("fingerprint"), extra=meta.get("extra"))
+                    backbone=meta.get("backbone", ""), fingerprint=meta.get("fingerprint"), extra=meta.get("extra"),
+                    layer_d_c={int(i): d for i, d in meta.get("layer_d_c", {}).items()})
         codec.load_state_dict(load_file(str(directory / WEIGHTS)))
         if model_config is not None:
             codec.check_compatible(model_config)
@@ -176,6 +198,25 @@ class ResidualCodec(nn.Module):
             details = ", ".join(f"{k}: codec {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items()))
             raise CodecError(f"this codec was trained for backbone {self.backbone or '?'} and does not fit this model "
                              f"({details}); load the model it was trained for or train a codec for this one")
+
+
+def parse_layer_d_c(specs: list[str], layer_ids: list[int], flag: str = "--layer-d-c") -> dict[int, int]:
+    """["3-7,9=224", "21-29=128"] -> {layer: d_c}; a range covers the coded layers inside it (full-attention
+    layers have no codec and are skipped), a single layer must be a coded one."""
+    coded, out = set(layer_ids), {}
+    for spec in specs:
+        layers, sep, size = spec.partition("=")
+        if not sep or not size.strip().isdigit() or int(size) <= 0:
+            raise CodecError(f"{flag} {spec!r}: write LAYERS=D_C, e.g. {flag} 3-11=224 (layer ranges, comma-separated)")
+        for part in filter(None, layers.split(",")):
+            lo, dash, hi = part.strip().partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                raise CodecError(f"{flag} {spec!r}: {part!r} is not a layer or a range such as 3-11")
+            ids = [i for i in range(int(lo), int(hi) + 1) if i in coded] if dash else [int(lo)]
+            if not dash and ids[0] not in coded:
+                raise CodecError(f"{flag} {spec!r}: layer {lo} has no codec (the coded layers are {sorted(coded)})")
+            out.update({i: int(size) for i in ids})
+    return out
 
 
 def model_shape(model_config) -> tuple[int, int, int]:

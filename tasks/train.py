@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 
 from residualkv.backbones import fingerprint, fingerprint_hash, load_backbone
 from residualkv.cli import base_config, codecs_dir, resolve_codec
-from residualkv.codec import CodecError, ResidualCodec
+from residualkv.codec import CodecError, ResidualCodec, parse_layer_d_c
 from residualkv.config import ResidualKVConfig
 from residualkv.training import TrainConfig
 from residualkv.training import train_codec as run_training
@@ -33,7 +33,7 @@ from .data import packed_data
 log = logging.getLogger(__name__)
 
 # pipeline-only keys of a profile's `train:` section (not TrainConfig fields)
-PIPELINE_KEYS = ("bits", "d_c", "d_ff", "retries", "torch_threads", "launch")
+PIPELINE_KEYS = ("bits", "d_c", "d_ff", "layer_d_c", "retries", "torch_threads", "launch")
 # TrainConfig fields that do not change what is learned (kept out of the cache key)
 NOT_IN_KEY = ("log_every", "minutes")
 
@@ -47,6 +47,8 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
     if not d_c or not d_ff:
         raise ValueError(f"{spec.name if spec else 'this backbone'}: set train.d_c and train.d_ff in the profile")
     train = {k: v for k, v in config.items() if k not in PIPELINE_KEYS and k not in NOT_IN_KEY}
+    # a bad train.layer_d_c fails here, before any run folder exists
+    parse_layer_d_c(config.get("layer_d_c") or [], _coded_layers(model.config, cache_config), "train.layer_d_c")
     return {
         "backbone": spec.name if spec else "", "fingerprint": fingerprint_hash(fingerprint(model)),
         "data": packed["fingerprint"], "seq_len": packed["seq_len"], "train": train,
@@ -58,7 +60,11 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
         "code": source_hash("residualkv.training", "residualkv.codec", "tasks.train"),
         # init: codec: the weights it starts from (a registry alias moves; its weights say what was used)
         "start": start.weights_digest() if start is not None else None,
-    }
+    } | ({"layer_d_c": sorted(map(str, config["layer_d_c"]))} if config.get("layer_d_c") else {})  # as `--layer-d-c`
+
+
+def _coded_layers(model_config, cache_config: ResidualKVConfig) -> list[int]:
+    return [i for i in range(model_config.num_hidden_layers) if i not in cache_config.full_attention_layers]
 
 
 def _finished(folder: Path) -> dict[str, Any] | None:
@@ -113,6 +119,9 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
         start = resolve_codec(config.get("init_from"), model, spec)
         start.check_shape(config["init_from"], lambda field: f"train.{field}",
                           **{field: config.get(field) for field in ("d_c", "d_ff", "bits")})
+        if config.get("layer_d_c"):
+            raise CodecError(f"train.layer_d_c: the codec in {config['init_from']} keeps its latent sizes; "
+                             "drop train.layer_d_c or train a fresh codec")
     payload = train_payload(model, spec, packed, config, start)
     folder = Path(_rank_of) if _rank_of else codecs_dir(payload["backbone"] or "unnamed") / f"pipeline-{step_key(payload)}"
     if use_cache and (done := _finished(folder)) is not None:
@@ -124,7 +133,9 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     if config.get("launch") and not _rank_of:  # scale-out: the same training under `accelerate launch` (DDP over processes/machines)
         return _launched(backbone_ref, packed, config, folder, run_id)
     cache_config = ResidualKVConfig.from_dict(payload["cache_config"])
+    coded = _coded_layers(model.config, cache_config)
     codec = start or ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
+                                             layer_d_c=parse_layer_d_c(payload.get("layer_d_c", []), coded, "train.layer_d_c"),
                                              backbone=payload["backbone"], seed=int(config.get("seed", 0)))
     data = packed_data(backbone_ref, {"source": packed["source"], "seq_len": packed["seq_len"]})
     if data.meta["fingerprint"] != packed["fingerprint"]:

@@ -9,7 +9,7 @@ import torch
 
 from residualkv import accounting
 from residualkv.cache import ResidualKVCache, ResidualLayer
-from residualkv.codec import CodecError, ResidualCodec
+from residualkv.codec import CodecError, ResidualCodec, parse_layer_d_c
 from residualkv.config import ResidualKVConfig
 from residualkv.methods import build_cache
 from transformers import LlamaForCausalLM
@@ -215,6 +215,35 @@ def test_codec_save_load_and_refusals(tmp_path, tiny_model):
     (path / "codec.safetensors").write_bytes(bytes(raw))
     with pytest.raises(CodecError, match="corrupted"):
         ResidualCodec.load(path)
+
+
+def test_per_layer_latent_sizes_save_load_and_bytes(tmp_path, tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
+    sizes = parse_layer_d_c(["1-2=64"], [1, 2, 3])
+    assert sizes == {1: 64, 2: 64}
+    codec = ResidualCodec.for_model(tiny_model.config, cfg, d_c=32, d_ff=48, layer_d_c=sizes)
+    assert [codec.layer(i).w_d.weight.shape[1] for i in (1, 2, 3)] == [64, 64, 32]
+    assert codec.mean_d_c == pytest.approx(160 / 3)
+    loaded = ResidualCodec.load(codec.save(tmp_path / "c"), model_config=tiny_model.config)
+    assert loaded.layer_d_c == {1: 64, 2: 64} and json.loads((tmp_path / "c" / "codec.json").read_text())["layer_d_c"] == {"1": 64, "2": 64}
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(3))
+    reps = []
+    for c in (loaded, _codec(tiny_model, cfg)):
+        cache = ResidualKVCache.from_model(tiny_model, c, cfg)
+        _greedy(tiny_model, ids, cache, n=4)
+        reps.append(accounting.report(cache))
+    rep, uniform = reps
+    # each layer's codes hold its own d_c x 4 bits
+    assert rep["bytes"]["latent_codes"] == uniform["bytes"]["latent_codes"] * (64 + 64 + 32) // (3 * 32)
+    # the formula at the mean latent size explains the extra bytes exactly: what it leaves unexplained
+    # (this tiny cache's KIVI group rounding) is the uniform codec's, to the byte
+    assert rep["kr_formula"] > uniform["kr_formula"]
+    assert rep["unexplained"] == pytest.approx(uniform["unexplained"], abs=1e-12)
+    for bad, fix in [(["0=64"], "layer 0 has no codec"), (["1-2:64"], "write LAYERS=D_C"), (["x=64"], "not a layer")]:
+        with pytest.raises(CodecError, match=fix):
+            parse_layer_d_c(bad, [1, 2, 3])
+    with pytest.raises(CodecError, match="have no codec"):
+        ResidualCodec.for_model(tiny_model.config, cfg, d_c=32, d_ff=48, layer_d_c={0: 64})
 
 
 def test_methods_registry_builds_every_codec_free_method(tiny_model):

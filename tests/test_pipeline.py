@@ -255,6 +255,15 @@ def test_training_task_goes_on_from_a_saved_codec(smoke, monkeypatch):
     with pytest.raises(ValueError, match=f"train.d_c {start.dims.d_c + 8} but the codec in .* has d_c {start.dims.d_c}"):
         run_train(ref, packed, config | {"init": "codec", "init_from": first["codec_dir"], "d_c": start.dims.d_c + 8},
                   progress=False)
+    with pytest.raises(ValueError, match="train.layer_d_c: the codec in .* keeps its latent sizes"):
+        run_train(ref, packed, config | {"init": "codec", "init_from": first["codec_dir"], "layer_d_c": ["1=64"]},
+                  progress=False)
+    # another latent size in one layer: another run (its own key), and the codec it saves has that shape
+    sized = run_train(ref, packed, config | {"steps": 1, "layer_d_c": ["2-3=64"]}, progress=False)
+    assert sized["run_dir"] != first["run_dir"]
+    assert ResidualCodec.load(sized["codec_dir"]).layer_d_c == {2: 64, 3: 64}
+    with pytest.raises(ValueError, match="train.layer_d_c .*layer 0 has no codec"):
+        run_train(ref, packed, config | {"steps": 1, "layer_d_c": ["0=64"]}, progress=False)
 
 
 def _seed_of(ckpt: Path) -> int | None:

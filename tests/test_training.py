@@ -358,15 +358,17 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
     folder, corpus = _cli_backbone_and_corpus(tmp_path, monkeypatch)
     common = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--eval-blocks", "0",
               "--json"]
-    assert cli.main(common + ["--steps", "3", "--d-c", "32", "--d-ff", "48", "--stride", "5", "--lr", "1e-2"]) == 0
+    assert cli.main(common + ["--steps", "3", "--d-c", "32", "--d-ff", "48", "--stride", "5", "--lr", "1e-2",
+                              "--layer-d-c", "1-2=64"]) == 0
     start = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
+    assert "-stride5-l1_2_64-" in start.parent.name  # another shape, another run
     # a step at a vanishing LR: the result is the codec it started from (shape, stride and weights)
     assert cli.main(common + ["--steps", "1", "--lr", "1e-12", "--init-from", str(start), "--recall-spans", "2",
                               "--recall-span-len", "8"]) == 0
     out = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
     assert f"-recall2x8-from-{start.parent.name[:40]}" in out.parent.name  # its own run, never the start's
     a, b = ResidualCodec.load(start), ResidualCodec.load(out)
-    assert (b.dims.d_c, b.dims.d_ff, b.config.stride) == (32, 48, 5)
+    assert (b.dims.d_c, b.dims.d_ff, b.config.stride, b.layer_d_c) == (32, 48, 5, {1: 64, 2: 64})
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
     training = b.extra["training"]
@@ -375,6 +377,10 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
         cli.main(common + ["--steps", "1", "--init-from", str(start), "--d-c", "16"])
     with pytest.raises(SystemExit, match="--init fisher-pca and --init-from"):
         cli.main(common + ["--steps", "1", "--init-from", str(start), "--init", "fisher-pca"])
+    with pytest.raises(SystemExit, match="--layer-d-c: the codec in .* keeps its latent sizes"):
+        cli.main(common + ["--steps", "1", "--init-from", str(start), "--layer-d-c", "1=32"])
+    with pytest.raises(SystemExit, match="layer 7 has no codec"):
+        cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--layer-d-c", "7=64"])
 
 
 def test_recall_spans_copy_earlier_text_and_mark_what_needs_it():

@@ -60,6 +60,9 @@ def register(subparsers) -> None:
     t.add_argument("--warmstart-blocks", type=int, default=32)
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
     t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
+    t.add_argument("--layer-d-c", action="append", default=[], metavar="LAYERS=D_C",
+                   help="another latent size for some coded layers, e.g. 3-11=224 (repeatable; ranges skip "
+                        "full-attention layers); the others keep --d-c, and KR follows the mean")
     t.add_argument("--d-ff", type=int, default=None, help="SwiGLU width (default: the backbone YAML's)")
     t.add_argument("--stride", type=int, default=None,
                    help="reference stride (default: the backbone YAML's); saved with the codec, which is always "
@@ -94,6 +97,8 @@ def run_name(args, source_name: str) -> str:
     for flag in ("d_c", "d_ff", "stride"):
         if getattr(args, flag, None):
             name += f"-{flag.replace('_', '')}{getattr(args, flag)}"
+    for spec in getattr(args, "layer_d_c", None) or []:
+        name += "-l" + re.sub(r"[^0-9]+", "_", spec)
     if getattr(args, "reading", "reconstructed") != "reconstructed":
         name += f"-{args.reading}"
     if getattr(args, "recall_spans", 0):
@@ -109,7 +114,7 @@ def run_name(args, source_name: str) -> str:
 def cmd_train(args) -> int:
     from ..backbones import load_backbone
     from ..cli import base_config, codecs_dir, resolve_codec
-    from ..codec import CodecError, ResidualCodec
+    from ..codec import CodecError, ResidualCodec, parse_layer_d_c
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,6 +131,10 @@ def cmd_train(args) -> int:
                               **{field: getattr(args, field) for field in ("d_c", "d_ff", "stride", "bits")})
         except CodecError as error:
             raise SystemExit(str(error)) from None
+        if args.layer_d_c:
+            raise SystemExit(f"--layer-d-c: the codec in {args.init_from} keeps its latent sizes "
+                             f"({start.layer_d_c or 'd_c ' + str(start.dims.d_c) + ' everywhere'}); drop --layer-d-c "
+                             "or train a fresh codec")
         codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff}
         args.init = "codec"
     d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")
@@ -135,6 +144,11 @@ def cmd_train(args) -> int:
     cache_config = start.config if start is not None else base_config(spec)
     args.bits = args.bits or cache_config.bits
     cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}))
+    try:
+        coded = [i for i in range(model.config.num_hidden_layers) if i not in cache_config.full_attention_layers]
+        layer_d_c = parse_layer_d_c(args.layer_d_c, coded)
+    except CodecError as error:
+        raise SystemExit(str(error)) from None
 
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
@@ -156,6 +170,7 @@ def cmd_train(args) -> int:
         shutil.rmtree(out / CHECKPOINTS)
     out.mkdir(parents=True, exist_ok=True)
     codec = start if start is not None else ResidualCodec.for_model(model.config, cache_config, d_c=d_c, d_ff=d_ff,
+                                                                     layer_d_c=layer_d_c,
                                                                      backbone=backbone, seed=args.seed)
     metrics_file = out / "metrics.jsonl"
 

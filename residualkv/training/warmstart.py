@@ -174,8 +174,8 @@ def fisher_pca_init(model, codec: ResidualCodec, blocks: torch.Tensor, *, alpha:
     bar = tqdm(codec.layer_ids, desc="fisher-pca: fit each layer's codec", disable=not progress)
     for i in bar:
         x, m = residual_pairs(kv.pop(i), codec.config)
-        enc, dec, share = weighted_pca(x - m, fim[i], codec.dims.d_c, alpha, value_weight)
         layer = codec.layer(i)
+        enc, dec, share = weighted_pca(x - m, fim[i], layer.dims.d_c, alpha, value_weight)
         with torch.no_grad():
             layer.w_d.weight.copy_(dec)
         dtype = layer.w_c1.weight.dtype
