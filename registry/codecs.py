@@ -145,6 +145,8 @@ def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: M
             "codec_json_sha256": local_shas[META],
             "codec_kind": meta.get("dims", {}).get("kind", ""),
             "d_c": str(meta.get("dims", {}).get("d_c", "")),
+            # a codec with other latent sizes in some layers ({layer: d_c}; d_c above is the rest's)
+            **({"layer_d_c": json.dumps(meta["layer_d_c"], sort_keys=True)} if meta.get("layer_d_c") else {}),
             **{f"{METRIC_PREFIX}{k}": repr(v) for k, v in metrics.items()},
             **{str(k): str(v) for k, v in (tags or {}).items()},
         }

@@ -16,10 +16,11 @@ from residualkv.config import ResidualKVConfig
 from tests.conftest import tiny_llama_config
 
 
-def make_codec(directory: Path, *, seed: int = 0, backbone: str = "tiny-llama", **config_overrides) -> Path:
+def make_codec(directory: Path, *, seed: int = 0, backbone: str = "tiny-llama", layer_d_c=None,
+               **config_overrides) -> Path:
     cfg = tiny_llama_config(**config_overrides)
     codec = ResidualCodec.for_model(cfg, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=64,
-                                    backbone=backbone, seed=seed)
+                                    backbone=backbone, seed=seed, layer_d_c=layer_d_c)
     return codec.save(directory)
 
 
@@ -67,6 +68,12 @@ def test_register_load_by_alias_and_version(store, tmp_path):
 
     run = client().get_run(reg.run_id)
     assert run.data.metrics["rel_score"] == pytest.approx(0.97)
+    assert "layer_d_c" not in mv.tags and mv.tags["d_c"] == "32"
+    # a codec with another latent size in one layer says so in its tags, and loads with that shape
+    sized = store.register_codec(make_codec(tmp_path / "sized", layer_d_c={2: 64}), metrics={"rel_score": 0.9})
+    mv2 = store.get_version(f"models:/{sized.name}/{sized.version}")
+    assert mv2.tags["layer_d_c"] == '{"2": 64}'
+    assert store.load_codec(f"models:/{sized.name}/{sized.version}", model_config=model_config).layer_d_c == {2: 64}
 
 
 def test_promotion_rule_is_explicit_and_logged(store, tmp_path):
