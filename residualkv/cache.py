@@ -776,7 +776,7 @@ class ResidualKVCache(Cache):
     def __init__(self, codec: ResidualCodec | None, config: ResidualKVConfig, *, num_layers: int,
                  num_kv_heads: int, head_dim: int, rope: RopeTable | None):
         config.check_model(num_layers)
-        compressed = [i for i in range(num_layers) if i not in config.full_attention_layers]
+        compressed = config.coded_layers(num_layers)
         if compressed:
             if codec is None:
                 raise CodecError("layers outside full_attention_layers need a codec: pass a trained ResidualCodec "

@@ -103,7 +103,7 @@ class ResidualCodec(nn.Module):
         config.check_model(n_layers)
         d_kv = 2 * n_kv * head_dim
         dims = CodecDims(d_kv=d_kv, d_c=d_kv if kind == "identity" else d_c, d_ff=d_ff, kind=kind)
-        layer_ids = [i for i in range(n_layers) if i not in config.full_attention_layers]
+        layer_ids = config.coded_layers(n_layers)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             return cls(dims, layer_ids, config, backbone=backbone, fingerprint=fingerprint(model_config),

@@ -122,6 +122,10 @@ class ResidualKVConfig:
         bad = [i for i in self.full_attention_layers if not 0 <= i < num_layers]
         _check(not bad, "full_attention_layers", bad, f"layer ids must lie in [0, {num_layers})")
 
+    def coded_layers(self, num_layers: int) -> list[int]:
+        """The layers a codec compresses: all but the full-attention (KIVI) ones."""
+        return [i for i in range(num_layers) if i not in self.full_attention_layers]
+
 
 @dataclass(frozen=True)
 class CodecDims:

@@ -47,8 +47,9 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
     if not d_c or not d_ff:
         raise ValueError(f"{spec.name if spec else 'this backbone'}: set train.d_c and train.d_ff in the profile")
     train = {k: v for k, v in config.items() if k not in PIPELINE_KEYS and k not in NOT_IN_KEY}
-    # a bad train.layer_d_c fails here, before any run folder exists
-    parse_layer_d_c(config.get("layer_d_c") or [], _coded_layers(model.config, cache_config), "train.layer_d_c")
+    # train.layer_d_c: ["3-11=224", ...] as `rkv train --layer-d-c`; a bad one fails here, before any run folder exists
+    coded = cache_config.coded_layers(model.config.num_hidden_layers)
+    layer_d_c = parse_layer_d_c(config.get("layer_d_c") or [], coded, "train.layer_d_c")
     return {
         "backbone": spec.name if spec else "", "fingerprint": fingerprint_hash(fingerprint(model)),
         "data": packed["fingerprint"], "seq_len": packed["seq_len"], "train": train,
@@ -60,11 +61,7 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
         "code": source_hash("residualkv.training", "residualkv.codec", "tasks.train"),
         # init: codec: the weights it starts from (a registry alias moves; its weights say what was used)
         "start": start.weights_digest() if start is not None else None,
-    } | ({"layer_d_c": sorted(map(str, config["layer_d_c"]))} if config.get("layer_d_c") else {})  # as `--layer-d-c`
-
-
-def _coded_layers(model_config, cache_config: ResidualKVConfig) -> list[int]:
-    return [i for i in range(model_config.num_hidden_layers) if i not in cache_config.full_attention_layers]
+    } | ({"layer_d_c": {str(i): d for i, d in sorted(layer_d_c.items())}} if layer_d_c else {})
 
 
 def _finished(folder: Path) -> dict[str, Any] | None:
@@ -133,9 +130,8 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     if config.get("launch") and not _rank_of:  # scale-out: the same training under `accelerate launch` (DDP over processes/machines)
         return _launched(backbone_ref, packed, config, folder, run_id)
     cache_config = ResidualKVConfig.from_dict(payload["cache_config"])
-    coded = _coded_layers(model.config, cache_config)
     codec = start or ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
-                                             layer_d_c=parse_layer_d_c(payload.get("layer_d_c", []), coded, "train.layer_d_c"),
+                                             layer_d_c={int(i): d for i, d in payload.get("layer_d_c", {}).items()},
                                              backbone=payload["backbone"], seed=int(config.get("seed", 0)))
     data = packed_data(backbone_ref, {"source": packed["source"], "seq_len": packed["seq_len"]})
     if data.meta["fingerprint"] != packed["fingerprint"]:

@@ -145,8 +145,7 @@ def cmd_train(args) -> int:
     args.bits = args.bits or cache_config.bits
     cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}))
     try:
-        coded = [i for i in range(model.config.num_hidden_layers) if i not in cache_config.full_attention_layers]
-        layer_d_c = parse_layer_d_c(args.layer_d_c, coded)
+        layer_d_c = parse_layer_d_c(args.layer_d_c, cache_config.coded_layers(model.config.num_hidden_layers))
     except CodecError as error:
         raise SystemExit(str(error)) from None
 
