@@ -34,17 +34,10 @@ sys.path.insert(0, str(ROOT))
 
 from residualkv import cache as cache_mod  # noqa: E402
 from residualkv import codec as codec_mod  # noqa: E402
+from residualkv.codec import parse_layers  # noqa: E402
 from residualkv.cli import main as rkv_main  # noqa: E402
 from residualkv.retrieval import mean_of_refs  # noqa: E402
 from kernels import topk_l2  # noqa: E402
-
-
-def _layers(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def _install(keep, overlay, layers: set[int] | None = None) -> None:
@@ -151,7 +144,7 @@ def main() -> int:
     elif mode.startswith("outliers:"):
         patch_outliers(float(mode.split(":", 1)[1]))
     else:
-        patch(half, _layers(layer_spec) if layer_spec else None)
+        patch(half, set(parse_layers(layer_spec, where=mode)) if layer_spec else None)
     return rkv_main(["eval", *sys.argv[3:]])
 
 

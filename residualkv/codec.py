@@ -176,10 +176,15 @@ class ResidualCodec(nn.Module):
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
-    def check_shape(self, source: str, spell=lambda field: field, **asked) -> None:
+    def check_shape(self, source: str, spell=lambda field: field, layer_d_c=None, **asked) -> None:
         """Refuse settings that ask this (starting) codec for another shape: training goes on from its
-        weights, so a d_c, d_ff, stride or bits it does not have would be recorded but never trained.
+        weights, so a d_c, d_ff, stride or bits it does not have would be recorded but never trained, and
+        per-layer sizes (`layer_d_c`, specs as `rkv train --layer-d-c`) are never asked of it at all.
         `spell` names a field the way the caller's user wrote it (a CLI flag, a profile key)."""
+        if layer_d_c:
+            sizes = self.layer_d_c or f"d_c {self.dims.d_c} everywhere"
+            raise CodecError(f"{spell('layer_d_c')}: the codec in {source} keeps its latent sizes ({sizes}); "
+                             f"drop {spell('layer_d_c')} or train a fresh codec")
         have = {"d_c": self.dims.d_c, "d_ff": self.dims.d_ff, "stride": self.config.stride, "bits": self.config.bits}
         for field, value in asked.items():
             if value is not None and int(value) != have[field]:
@@ -200,22 +205,31 @@ class ResidualCodec(nn.Module):
                              f"({details}); load the model it was trained for or train a codec for this one")
 
 
+def parse_layers(text: str, layer_ids: list[int] | None = None, where: str = "layers") -> list[int]:
+    """"3-7,9" -> [3, 4, 5, 6, 7, 9]. With `layer_ids` (the coded layers), a range keeps the coded layers
+    inside it (full-attention layers have no codec and are skipped) and a single layer must be a coded one."""
+    coded, out = (None if layer_ids is None else set(layer_ids)), []
+    for part in filter(None, text.split(",")):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise CodecError(f"{where}: {part!r} is not a layer or a range such as 3-11")
+        ids = list(range(int(lo), int(hi if dash else lo) + 1))
+        if coded is not None:
+            if not dash and ids[0] not in coded:
+                raise CodecError(f"{where}: layer {lo} has no codec (the coded layers are {sorted(coded)})")
+            ids = [i for i in ids if i in coded]
+        out += ids
+    return out
+
+
 def parse_layer_d_c(specs: list[str], layer_ids: list[int], flag: str = "--layer-d-c") -> dict[int, int]:
-    """["3-7,9=224", "21-29=128"] -> {layer: d_c}; a range covers the coded layers inside it (full-attention
-    layers have no codec and are skipped), a single layer must be a coded one."""
-    coded, out = set(layer_ids), {}
+    """["3-7,9=224", "21-29=128"] -> {layer: d_c} over the coded layers `layer_ids` (see parse_layers)."""
+    out = {}
     for spec in specs:
         layers, sep, size = spec.partition("=")
         if not sep or not size.strip().isdigit() or int(size) <= 0:
             raise CodecError(f"{flag} {spec!r}: write LAYERS=D_C, e.g. {flag} 3-11=224 (layer ranges, comma-separated)")
-        for part in filter(None, layers.split(",")):
-            lo, dash, hi = part.strip().partition("-")
-            if not lo.isdigit() or (dash and not hi.isdigit()):
-                raise CodecError(f"{flag} {spec!r}: {part!r} is not a layer or a range such as 3-11")
-            ids = [i for i in range(int(lo), int(hi) + 1) if i in coded] if dash else [int(lo)]
-            if not dash and ids[0] not in coded:
-                raise CodecError(f"{flag} {spec!r}: layer {lo} has no codec (the coded layers are {sorted(coded)})")
-            out.update({i: int(size) for i in ids})
+        out.update(dict.fromkeys(parse_layers(layers, layer_ids, f"{flag} {spec!r}"), int(size)))
     return out
 
 

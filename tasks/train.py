@@ -114,11 +114,8 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     start = None
     if train_cfg.init == "codec":  # go on from a saved codec (a folder or models:/NAME@ALIAS)
         start = resolve_codec(config.get("init_from"), model, spec)
-        start.check_shape(config["init_from"], lambda field: f"train.{field}",
+        start.check_shape(config["init_from"], lambda field: f"train.{field}", layer_d_c=config.get("layer_d_c"),
                           **{field: config.get(field) for field in ("d_c", "d_ff", "bits")})
-        if config.get("layer_d_c"):
-            raise CodecError(f"train.layer_d_c: the codec in {config['init_from']} keeps its latent sizes; "
-                             "drop train.layer_d_c or train a fresh codec")
     payload = train_payload(model, spec, packed, config, start)
     folder = Path(_rank_of) if _rank_of else codecs_dir(payload["backbone"] or "unnamed") / f"pipeline-{step_key(payload)}"
     if use_cache and (done := _finished(folder)) is not None:

@@ -128,13 +128,10 @@ def cmd_train(args) -> int:
         start = resolve_codec(args.init_from, model, spec)
         try:
             start.check_shape(args.init_from, lambda field: "--" + field.replace("_", "-"),
+                              layer_d_c=args.layer_d_c,
                               **{field: getattr(args, field) for field in ("d_c", "d_ff", "stride", "bits")})
         except CodecError as error:
             raise SystemExit(str(error)) from None
-        if args.layer_d_c:
-            raise SystemExit(f"--layer-d-c: the codec in {args.init_from} keeps its latent sizes "
-                             f"({start.layer_d_c or 'd_c ' + str(start.dims.d_c) + ' everywhere'}); drop --layer-d-c "
-                             "or train a fresh codec")
         codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff}
         args.init = "codec"
     d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")
