@@ -583,7 +583,7 @@ def library_cache(model, codec, cfg, layers_state, n, B, dev):
             store.refs = st["refs"][:, :R].clone()
             store.codes = Packed(st["codes"][:, :C].clone(), st["mins"][:, :C].clone(), st["scales"][:, :C].clone())
             store.ref_idx = st["ridx"][:, :C].clone()
-            store.n = n
+            store.n_coded = n
         layer.stores = [store]
         layer.n_slots = n
     return cache

@@ -165,6 +165,10 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
             gap["sinks_and_schedule_rounding"] = (actual_refs - rho_nominal * valid) / valid * ref_ratio * (1 - beta) if valid else 0.0
             # reference tokens carry no latent code, the formula charges one to every token
             gap["refs_have_no_code"] = -(actual_refs / valid) * q_code * (1 - beta) if valid else 0.0
+            # the recent window's tokens are FP16 (cost 1.0), not yet references or codes
+            win_tokens = comp.get("recent_window_fp16", 0) / (2 * d_kv)
+            if win_tokens:
+                gap["recent_window_fp16"] = (win_tokens / valid) * (1 - q_code) * (1 - beta)
             if ev_refs or ev_codes or "eviction_ordinals" in comp:  # SnapKV: freed tokens, and the kept ordinals
                 gap["snapkv_evicted_references"] = -(ev_refs / valid) * ref_ratio * (1 - beta) if valid else 0.0
                 gap["snapkv_evicted_codes"] = -(ev_codes / valid) * q_code * (1 - beta) if valid else 0.0
@@ -180,7 +184,7 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
         "gap": gap,
         "unexplained": unexplained,
         "inputs": {"beta": beta, "rho_ref": rho_nominal, "bits": cfg.bits, "d_c": d_c, "d_kv": d_kv,
-                   "full_bits": cfg.full_bits, "ref_format": cfg.ref_format, "tokens": cache.rows.valid_tokens(),
+                   "full_bits": cfg.full_bits, "ref_format": cfg.ref_format, "recent_window": cfg.recent_window, "tokens": cache.rows.valid_tokens(),
                    "layers": n_layers, "full_layers": list(cfg.full_attention_layers)},
     }
 

@@ -215,7 +215,8 @@ class SparseController:
         for grp in rows.groups:  # pool inside each group's own history (never across its padding)
             n = s0 - grp.start
             sc = _pool(scores[grp.rows.to(scores.device), grp.start : s0], cfg.select_pool)
-            chosen = select_tokens(sc, cfg.n_sink, cfg.n_recent, token_budget(cfg, n))
+            # the FP16 window costs no reconstruction: always read it
+            chosen = select_tokens(sc, cfg.n_sink, max(cfg.n_recent, cfg.recent_window), token_budget(cfg, n))
             sel.append(None if self.full_read_shortcut and chosen.shape[1] == n else chosen)
         self.selection = None if all(s is None for s in sel) else sel
 
@@ -230,7 +231,7 @@ class SparseController:
         counts = {"evicted_refs": 0, "evicted_codes": 0, "hidden_refs": 0}
         for gi, grp in enumerate(rows.groups):
             n = s1 - grp.start
-            w = min(cfg.snapkv_window, n)
+            w = min(max(cfg.snapkv_window, cfg.recent_window), n)  # the FP16 window is never evicted
             prefix = n - w
             sinks = min(cfg.n_sink, prefix)
             budget = (max(0, round(cfg.select_ratio * n) - w - sinks) if cfg.select_ratio is not None

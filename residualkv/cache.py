@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codec import CodecError, LayerCodec, ResidualCodec, model_shape
-from .config import ResidualKVConfig
+from .config import ConfigError, ResidualKVConfig
 from .quant import Packed, decode_ref, dequantize, encode_ref, quantize
 from .retrieval import mean_of_refs
 from .rope import RopeTable, apply_rope, invert_rope
@@ -127,7 +127,11 @@ class ResidualStore:
 
     def __init__(self, codec: LayerCodec, cfg: ResidualKVConfig, schedule: ReferenceSchedule):
         self.codec, self.cfg, self.schedule = codec, cfg, schedule
-        self.n = 0
+        self.n_coded = 0  # ordinals 0..n_coded-1 are coded (references + codes)
+        # cfg.recent_window > 0: the newest tokens wait here exact, and are coded as they leave it, so
+        # the coded bytes are the ones an unwindowed store would hold (references strictly before a
+        # token are all coded by then); ordinals n_coded..n-1
+        self.win: torch.Tensor | None = None  # [B, w, d] fp16 pre-RoPE keys ‖ values
         self.refs: torch.Tensor | None = None  # [B, R, d] uint8 (fp8 bytes) or fp16
         self.codes: Packed | None = None  # fields [B, C, ...]
         self.ref_idx: torch.Tensor | None = None  # [B, C, k] int16 (int32 past 32767 refs), -1 = unused
@@ -150,6 +154,15 @@ class ResidualStore:
         self.grad_history: torch.Tensor | None = None
 
     @property
+    def n(self) -> int:
+        """Tokens held (ordinals): the coded ones, then the recent window's."""
+        return self.n_coded + self.n_win
+
+    @property
+    def n_win(self) -> int:
+        return 0 if self.win is None else self.win.shape[1]
+
+    @property
     def n_refs(self) -> int:
         return 0 if self.refs is None else self.refs.shape[1]
 
@@ -160,12 +173,31 @@ class ResidualStore:
         """Store new tokens kv [B, T, 2·d_k] (pre-RoPE keys ‖ values); return their reconstruction.
 
         The returned values equal what later reads decode from the stored bytes; gradients pass
-        straight through the FP8 and b-bit rounding so the same path trains the codec.
+        straight through the FP8 and b-bit rounding so the same path trains the codec. With a recent
+        window, the newest `recent_window` tokens are held in FP16 and come back at that precision.
         """
+        W = self.cfg.recent_window
+        if not W:
+            return self._code(kv)
+        if self.keep_grad:
+            raise ValueError("a codec trains with recent_window=0: the FP16 window would hide its error from the loss")
+        held = self.n_win
+        self.win = _cat(self.win, kv.detach().to(torch.float16))
+        out = self.win[:, held:].float()
+        leaving = self.n_win - W
+        if leaving > 0:
+            coded = self._code(self.win[:, :leaving].float())
+            self.win = self.win[:, leaving:].contiguous()
+            mine = max(0, leaving - held)  # this write's own tokens among those just coded: its oldest ones
+            out[:, :mine] = coded[:, leaving - mine:]
+        return out
+
+    def _code(self, kv: torch.Tensor) -> torch.Tensor:
+        """Code tokens kv [B, T, 2·d_k] at ordinals n_coded.. (the paper's write); their reconstruction."""
         cfg = self.cfg
         B, T, d = kv.shape
         kv = kv.float()
-        is_ref = self.schedule.is_ref(self.n, self.n + T).to(kv.device)
+        is_ref = self.schedule.is_ref(self.n_coded, self.n_coded + T).to(kv.device)
         out = kv.new_empty(B, T, d)
 
         new_refs = kv[:, is_ref]
@@ -194,14 +226,14 @@ class ResidualStore:
                 self.ref_idx = self.ref_idx.to(idx_dtype)
             self.ref_idx = _cat(self.ref_idx, idx.to(idx_dtype))
         if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
-            new_ord = torch.arange(self.n, self.n + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
+            new_ord = torch.arange(self.n_coded, self.n_coded + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
             m = is_ref.to(new_ord.device)
             self.ref_ord = torch.cat([self.ref_ord, new_ord[m]])
             self.ref_visible = torch.cat([self.ref_visible, m.new_ones(int(m.sum()))])
             self.code_ord = torch.cat([self.code_ord, new_ord[~m]])
         if self.keep_grad:
             self.grad_history = _cat(self.grad_history, out)
-        self.n += T
+        self.n_coded += T
         return out
 
     def _ref_table(self, b: torch.Tensor, r: torch.Tensor, fresh: torch.Tensor | None = None,
@@ -239,27 +271,33 @@ class ResidualStore:
             return self.read_selected(self.visible_ordinals(), rope)
         if self.grad_history is not None:  # training: nothing decoded, the kept reconstruction is read
             return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
-        refs = self.decoded_refs()
-        if refs is None:
+        if self.n == 0:
             return torch.empty(0)
-        B, _, d = refs.shape
-        self.refs_decoded += refs.shape[0] * refs.shape[1]
-        self.codes_decoded += 0 if self.codes is None else self.codes.codes.shape[0] * self.codes.codes.shape[1]
-        out = refs.new_empty(B, self.n, d)
-        is_ref = self.schedule.is_ref(0, self.n).to(refs.device)
-        out[:, is_ref] = refs
+        like = self.win if self.refs is None else self.refs
+        B, d, dev = like.shape[0], like.shape[-1], like.device
+        out = torch.empty(B, self.n, d, device=dev)
+        coded = torch.arange(self.n, device=dev) < self.n_coded
+        is_ref = self.schedule.is_ref(0, self.n).to(dev) & coded
+        is_code = ~is_ref & coded
+        if self.win is not None:
+            out[:, ~coded] = self.win.float()
         rotated = None
+        if self.refs is not None:
+            refs = self.decoded_refs()
+            self.refs_decoded += refs.shape[0] * refs.shape[1]
+            out[:, is_ref] = refs
         if self.codes is not None:
+            self.codes_decoded += self.codes.codes.shape[0] * self.codes.codes.shape[1]
             if self._use_kernel():
                 C = self.codes.codes.shape[1]
-                sel = torch.arange(C, device=refs.device)[None].expand(B, C)
-                code_rope = None if rope is None else (rope[0][:, ~is_ref], rope[1][:, ~is_ref], rope[2])
-                out[:, ~is_ref], fused = self._reconstruct_kernel(sel, code_rope)
-                rotated = (~is_ref).expand(B, -1) if fused else None
+                sel = torch.arange(C, device=dev)[None].expand(B, C)
+                code_rope = None if rope is None else (rope[0][:, is_code], rope[1][:, is_code], rope[2])
+                out[:, is_code], fused = self._reconstruct_kernel(sel, code_rope)
+                rotated = is_code.expand(B, -1) if fused else None
             else:
                 mean = mean_of_refs(refs, self.ref_idx.long())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
-                out[:, ~is_ref] = self.codec.decode(z).float() + mean
+                out[:, is_code] = self.codec.decode(z).float() + mean
         return out if rope is None else _rotate_rest(out, rope, rotated)
 
     def _use_kernel(self) -> bool:
@@ -295,16 +333,17 @@ class ResidualStore:
     # ---- selective reads (OmniKV) and eviction (SnapKV), seed §2.7 ----
 
     def _schedule_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(is_ref [n] bool, reference ordinals [R] long) of the schedule over this store's n ordinals."""
-        if self._layout is None or self._layout[0] != self.n or self._layout[1].device != device:
-            self._layout = (self.n, self.schedule.is_ref(0, self.n).to(device), self.schedule.ref_ordinals(self.n).to(device))
+        """(is_ref [n] bool, reference ordinals [R] long) of the schedule over this store's coded ordinals."""
+        n = self.n_coded
+        if self._layout is None or self._layout[0] != n or self._layout[1].device != device:
+            self._layout = (n, self.schedule.is_ref(0, n).to(device), self.schedule.ref_ordinals(n).to(device))
         return self._layout[1], self._layout[2]
 
     def _locate(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes)."""
+        """Coded ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes)."""
         is_ref_of, sched_refs = self._schedule_layout(ordinals.device)
-        if bool(((ordinals < 0) | (ordinals >= self.n)).any()):
-            raise IndexError(f"ordinals must lie in [0, {self.n})")
+        if bool(((ordinals < 0) | (ordinals >= self.n_coded)).any()):
+            raise IndexError(f"coded ordinals must lie in [0, {self.n_coded})")
         is_ref = is_ref_of[ordinals]
         if self.ref_ord is None:
             ridx = torch.searchsorted(sched_refs, ordinals)
@@ -327,38 +366,48 @@ class ResidualStore:
         [B, H, S, D] with the keys rotated, as `read` does."""
         cfg = self.cfg
         B, S = ordinals.shape
-        if self.refs is None or S == 0:
-            d = self.refs.shape[-1] if self.refs is not None else self.codec.dims.d_kv
-            out = torch.zeros(B, S, d, device=ordinals.device)
+        like = self.refs if self.refs is not None else self.win
+        if like is None or S == 0:
+            out = torch.zeros(B, S, self.codec.dims.d_kv, device=ordinals.device)
             return out if rope is None else _rotate_rest(out, rope, None)
-        dev = self.refs.device
+        dev = like.device
         ordinals = ordinals.to(device=dev, dtype=torch.long)
-        is_ref, pos = self._locate(ordinals)
         rows = torch.arange(B, device=dev)[:, None].expand(B, S)
+        in_win = ordinals >= self.n_coded
+        if bool((ordinals >= self.n).any()):
+            raise IndexError(f"ordinals must lie in [0, {self.n})")
+        is_ref = torch.zeros_like(in_win)
+        pos = torch.zeros_like(ordinals)
+        if not bool(in_win.all()):
+            is_ref[~in_win], pos[~in_win] = (t[0] for t in self._locate(ordinals[~in_win][None]))
+        is_code = ~is_ref & ~in_win
+        out = torch.empty(B, S, like.shape[-1], device=dev)
+        if self.win is not None:
+            out[in_win] = self.win[rows[in_win], ordinals[in_win] - self.n_coded].float()
         rb, rp = rows[is_ref], pos[is_ref]
-        cb, cp = rows[~is_ref], pos[~is_ref]
-        # which references are read: the selected ones and those the selected codes average, each once
-        idx = self.ref_idx[cb, cp].long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
-        ok = idx >= 0
-        table, slot = self._ref_table(torch.cat([rb, cb[:, None].expand_as(idx)[ok]]), torch.cat([rp, idx[ok]]))
-        self.refs_decoded += int(table.shape[0])
-        out = table.new_empty(B, S, table.shape[-1])
-        out[is_ref] = table[slot[: rb.numel()]]
+        cb, cp = rows[is_code], pos[is_code]
         rotated = None
+        if rb.numel() or cb.numel():
+            # which references are read: the selected ones and those the selected codes average, each once
+            idx = self.ref_idx[cb, cp].long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
+            ok = idx >= 0
+            table, slot = self._ref_table(torch.cat([rb, cb[:, None].expand_as(idx)[ok]]), torch.cat([rp, idx[ok]]))
+            self.refs_decoded += int(table.shape[0])
+            out[is_ref] = table[slot[: rb.numel()]]
         if cb.numel() and self._use_kernel():
             # per row, its selected codes in order: rank of each within its row, padded with -1
-            rank = torch.cumsum(~is_ref, dim=1) - 1
-            sel = torch.full((B, int((~is_ref).sum(1).max())), -1, dtype=torch.long, device=dev)
-            sel[cb, rank[~is_ref]] = cp
+            rank = torch.cumsum(is_code, dim=1) - 1
+            sel = torch.full((B, int(is_code.sum(1).max())), -1, dtype=torch.long, device=dev)
+            sel[cb, rank[is_code]] = cp
             code_rope = None
             if rope is not None:  # cos/sin in the same ragged layout as sel (padding rows: zeros)
                 cos = rope[0].new_zeros(B, sel.shape[1], rope[0].shape[-1])
                 sin = torch.zeros_like(cos)
-                cos[cb, rank[~is_ref]], sin[cb, rank[~is_ref]] = rope[0][~is_ref], rope[1][~is_ref]
+                cos[cb, rank[is_code]], sin[cb, rank[is_code]] = rope[0][is_code], rope[1][is_code]
                 code_rope = (cos, sin, rope[2])
             kv, fused = self._reconstruct_kernel(sel, code_rope)
-            out[~is_ref] = kv[cb, rank[~is_ref]]
-            rotated = ~is_ref if fused else None
+            out[is_code] = kv[cb, rank[is_code]]
+            rotated = is_code if fused else None
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
             mean_idx = torch.full_like(idx, -1)
@@ -366,25 +415,28 @@ class ResidualStore:
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             c = self.codes
             z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
-            out[~is_ref] = self.codec.decode(z).float() + mean
+            out[is_code] = self.codec.decode(z).float() + mean
             self.codes_decoded += int(cb.numel())
         return out if rope is None else _rotate_rest(out, rope, rotated)
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
+        like = self.refs if self.refs is not None else self.win
         if self.ref_ord is None:
-            B = self.refs.shape[0] if self.refs is not None else 1
-            return torch.arange(self.n, device=self.refs.device if self.refs is not None else None).expand(B, self.n)
-        vis = torch.cat([self.ref_ord[self.ref_visible], self.code_ord]).long()
-        return vis.sort().values[None]
+            B = like.shape[0] if like is not None else 1
+            return torch.arange(self.n, device=like.device if like is not None else None).expand(B, self.n)
+        window = torch.arange(self.n_coded, self.n, device=self.ref_ord.device)
+        vis = torch.cat([self.ref_ord[self.ref_visible].long(), self.code_ord.long()]).sort().values
+        return torch.cat([vis, window])[None]
 
     def split_rows(self) -> list["ResidualStore"]:
         """One store per batch row (eviction keeps different tokens in different rows)."""
         out = []
         for b in range(self.refs.shape[0]):
             s = ResidualStore(self.codec, self.cfg, self.schedule)
-            s.n = self.n
+            s.n_coded = self.n_coded
             s.refs = self.refs[b : b + 1].clone()
+            s.win = None if self.win is None else self.win[b : b + 1].clone()
             if self.codes is not None:
                 s.codes = Packed(*(t[b : b + 1].clone() for t in self.codes))
                 s.ref_idx = self.ref_idx[b : b + 1].clone()
@@ -395,13 +447,15 @@ class ResidualStore:
 
     def evict(self, keep: torch.Tensor) -> dict[str, int]:
         """SnapKV eviction of a one-row store (seed §2.7): keep the tokens at ordinals `keep` and the
-        references their codes need (kept, hidden from attention); free everything else. Irreversible."""
+        references their codes need (kept, hidden from attention); free everything else. Irreversible.
+        The recent window (exact, not yet coded) is kept whole, whatever `keep` says of it."""
         if self.refs is None or self.refs.shape[0] != 1:
             raise ValueError("evict() works on one row: split a batch store with split_rows() first")
         if self.ref_ord is not None:
             raise ValueError("this store was already evicted once; SnapKV evicts once, after the prompt")
         dev = self.refs.device
         keep = torch.unique(keep.to(device=dev, dtype=torch.long))
+        keep = keep[keep < self.n_coded]
         is_ref, pos = self._locate(keep[None])
         is_ref, pos = is_ref[0], pos[0]
         _, sched_refs = self._schedule_layout(dev)
@@ -436,6 +490,7 @@ class ResidualStore:
             "latent_codes": _nbytes(c.codes) if c else 0,
             "latent_mins_scales": _nbytes(c.mins, c.scales) if c else 0,
             "reference_indices": _nbytes(self.ref_idx),
+            "recent_window_fp16": _nbytes(self.win),
         }
         if self.ref_ord is not None:
             out["eviction_ordinals"] = _nbytes(self.ref_ord, self.code_ord, self.ref_visible)
@@ -883,6 +938,7 @@ class ResidualKVCache(Cache):
         """Training hook for the seed's L_rec (§2.9). From now on every write to a compressed layer
         appends the summed squared error between the true pre-RoPE kv it was given and its
         reconstruction (a differentiable scalar) to the returned list."""
+        _no_window_in_training(self.config)
         terms: list[torch.Tensor] = []
         for layer in self.layers:
             if isinstance(layer, ResidualLayer):
@@ -895,6 +951,7 @@ class ResidualKVCache(Cache):
         history back from the differentiable reconstructions their writes returned instead of decoding
         the stored bytes (the same values up to float rounding), so that loss reaches the encoder as well
         as the decoder. Call it before the first write; it keeps an extra float copy of the history."""
+        _no_window_in_training(self.config)
         if any(layer.n_slots for layer in self.layers):
             raise ValueError("keep_grad_history() must be called on an empty cache, before the first write")
         for layer in self.layers:
@@ -910,6 +967,12 @@ class ResidualKVCache(Cache):
     def fp16_bytes(self) -> int:
         """Bytes an FP16 full cache would hold for the same real tokens."""
         return self.rows.valid_tokens() * len(self.layers) * 2 * self.num_kv_heads * self.head_dim * 2
+
+
+def _no_window_in_training(cfg: ResidualKVConfig) -> None:
+    if cfg.recent_window:
+        raise ConfigError(f"invalid recent_window={cfg.recent_window}: train with recent_window=0; the FP16 window "
+                          "is a serving setting and would hide the codec's error from the loss")
 
 
 class DenseStore:

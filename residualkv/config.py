@@ -41,6 +41,10 @@ class ResidualKVConfig:
     full_bits: int = 4
     full_group_size: int = 32
     full_window: int = 32
+    # compressed layers: the newest recent_window tokens are held exact in FP16 and coded as they leave
+    # the window (as KIVI holds its newest tokens). 0 = code every token on write, as the paper does.
+    # A serving setting: codecs train with 0. The newest tokens carry much of retrieval (BENCHMARKS.md)
+    recent_window: int = 0
     # how sparse layers read history (seed §2.7): "standalone" reconstructs every token (CR = 100%);
     # "omnikv" lets the full-attention (filter) layers pick the tokens the following layers reconstruct
     # at each decode step; "snapkv" evicts compressed layers' tokens once, after the prompt (irreversible)
@@ -82,6 +86,8 @@ class ResidualKVConfig:
             _check(g >= 8 and g % 8 == 0, name, g, "use a positive multiple of 8 (paper default 32) so groups pack into whole bytes")
         _check(self.full_window >= self.full_group_size, "full_window", self.full_window,
                f"hold at least one quantisation group (full_group_size={self.full_group_size}) of FP16 recent tokens")
+        _check(self.recent_window >= 0, "recent_window", self.recent_window,
+               "use 0 (code every token, the paper) or a positive number of FP16 recent tokens such as 64")
         _check(self.kernel_impl in KERNEL_IMPLS, "kernel_impl", self.kernel_impl, f"choose one of {KERNEL_IMPLS}")
         _check(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
         _check(self.new_kv in NEW_KV, "new_kv", self.new_kv, f"choose one of {NEW_KV}")

@@ -270,3 +270,54 @@ def test_rkv_accounting_json_contract_smollm2_4096(smollm2):
     assert {"references", "latent_codes", "latent_mins_scales", "reference_indices",
             "full_layer_codes", "full_layer_mins_scales", "full_layer_window_fp16", "positions"} <= set(rep["bytes"])
     assert abs(rep["unexplained"]) < 1e-9
+
+
+def test_recent_window_holds_the_newest_tokens_exact_and_codes_the_rest_as_without_it():
+    """With recent_window W, the newest W tokens are held in FP16 and each is coded when it leaves: the
+    coded bytes are those of a store without a window (fed the same FP16 values), however the writes
+    are chunked; reads return the window exact; the bytes list the window."""
+    from residualkv.cache import ResidualStore
+    from residualkv.schedule import ReferenceSchedule
+
+    cfg = ResidualKVConfig(stride=4, n_sink=2, kernel_impl="torch")
+    codec = ResidualCodec.for_model(tiny_llama_config(), cfg, d_c=32, d_ff=48).layer(0)
+    kv = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(0))
+    plain, win = (ResidualStore(codec, cfg.replace(recent_window=w), ReferenceSchedule(2, 4)) for w in (0, 16))
+    with torch.no_grad():
+        for a, b in [(0, 50)] + [(i, i + 1) for i in range(50, 60)] + [(60, 70)]:
+            plain.write(kv[:, a:b].half().float())
+            new = win.write(kv[:, a:b])
+            torch.testing.assert_close(win.read()[:, a:b], new, rtol=1e-6, atol=1e-6)  # what the write returned
+        assert (win.n, win.n_coded, win.n_win) == (70, 54, 16)
+        n_codes = win.codes.codes.shape[1]
+        assert torch.equal(win.refs, plain.refs[:, : win.n_refs])
+        assert torch.equal(win.codes.codes, plain.codes.codes[:, :n_codes])
+        assert torch.equal(win.ref_idx, plain.ref_idx[:, :n_codes])
+        got, ref = win.read(), plain.read()
+        assert torch.equal(got[:, :54], ref[:, :54])
+        assert torch.equal(got[:, 54:], kv[:, 54:].half().float())
+        ords = torch.stack([torch.tensor([0, 3, 20, 53, 54, 60, 69]), torch.tensor([1, 2, 9, 40, 55, 56, 57])])
+        torch.testing.assert_close(win.read_selected(ords), got.gather(1, ords[..., None].expand(-1, -1, 64)),
+                                   rtol=1e-6, atol=1e-6)
+    assert win.nbytes()["recent_window_fp16"] == 2 * 16 * 64 * 2
+    with pytest.raises(IndexError, match=r"\[0, 70\)"):
+        win.read_selected(torch.tensor([[70]]))
+
+
+def test_recent_window_longer_than_the_prompt_reproduces_the_full_cache(tiny_model):
+    """Nothing leaves a window wider than the sequence: every token is read as its FP16 value."""
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    model = tiny_model
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2, full_window=64, recent_window=64)
+    cache = ResidualKVCache.from_model(model, _codec(model, cfg), cfg)
+    assert torch.equal(_greedy(model, ids, cache, n=12), _greedy(model, ids, n=12))
+    assert cache.nbytes()["recent_window_fp16"] == sum(
+        (30 + 11) * 2 * model.config.num_key_value_heads * 16 * 2 for _ in range(model.config.num_hidden_layers - 1))
+
+
+def test_recent_window_is_refused_while_training(tiny_model):
+    cfg = ResidualKVConfig(full_attention_layers=(0,), recent_window=8)
+    cache = ResidualKVCache.from_model(tiny_model, _codec(tiny_model, cfg), cfg)
+    for hook in (cache.collect_rec_loss, cache.keep_grad_history):
+        with pytest.raises(ValueError, match="recent_window=0"):
+            hook()

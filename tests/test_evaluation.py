@@ -598,3 +598,24 @@ def test_user_facts_writes_a_user_jsonl_that_fits_and_holds_its_answers(tmp_path
     lines = out.read_text().splitlines()
     assert len(lines) == 6 and all(json.loads(line).keys() == {"id", "context", "question", "answers"} for line in lines)
     assert [s.context for s in load_jsonl(out)] == [s.context for s in samples]
+
+
+def test_recent_window_variants(tiny_lm):
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ResidualKVConfig
+    from residualkv.evaluation.harness import known_method, method_needs_codec
+
+    for name in ("residualkv-standalone-w64", "residualkv-r08-w32", "residualkv-snapkv-r20-w16", "residualkv-w8"):
+        assert known_method(name) and method_needs_codec(name), name
+    for name in ("kivi2-w64", "omnikv-w64", "snapkv-w64", "full-w8", "residualkv-w64-r08"):
+        assert not known_method(name), name
+    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=16)
+    cache = build_method_cache("residualkv-r08-w32", tiny_lm, codec)
+    assert (cache.config.recent_window, cache.config.select_ratio, cache.config.mode) == (32, 0.08, "omnikv")
+    cache = build_method_cache("residualkv-standalone-w64", tiny_lm, codec)
+    assert (cache.config.recent_window, cache.config.mode) == (64, "standalone")
+    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
+    rep = measure(cache)
+    assert rep["bytes"]["recent_window_fp16"] > 0 and rep["gap"]["recent_window_fp16"] > 0

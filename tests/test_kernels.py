@@ -462,13 +462,13 @@ def _row_stores(layer) -> list:
     return [one for s in layer.stores for one in getattr(s, "stores", [s])]
 
 
-def _filled_stores(d_kv: int, seed: int) -> dict[str, ResidualStore]:
-    """The same 37 tokens written into a store on each implementation."""
+def _filled_stores(d_kv: int, seed: int, window: int = 0) -> dict[str, ResidualStore]:
+    """The same 37 tokens written into a store on each implementation (the newest `window` held in FP16)."""
     codec = LayerCodec(CodecDims(d_kv=d_kv, d_c=64, d_ff=32))
     kv = _randn(2, 37, d_kv, seed=seed).cpu()
     stores = {}
     for impl in ("torch", "triton"):
-        c = ResidualKVConfig(kernel_impl=impl, stride=4, n_sink=2, k=3, bits=4, group_size=32)
+        c = ResidualKVConfig(kernel_impl=impl, stride=4, n_sink=2, k=3, bits=4, group_size=32, recent_window=window)
         stores[impl] = ResidualStore(codec, c, ReferenceSchedule(c.n_sink, c.stride, c.stride_alpha))
         with torch.no_grad():
             stores[impl].write(kv)
@@ -511,8 +511,9 @@ def test_store_reads_on_kernels_split_wide_rows_into_tiles():
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 8])
 @pytest.mark.parametrize("heads,head_dim", [(3, 64), (1, 256)])
-def test_store_reads_with_rope_fused_on_kernels(heads, head_dim):
+def test_store_reads_with_rope_fused_on_kernels(heads, head_dim, window):
     """read(rope) / read_selected(rope) return K (rotated at each token's position) and V per head. On the
     kernel, codes are rotated inside the fused reconstruction where a head fits its tile (D <= 128) and
     references by torch; a 256-wide head falls back to the identity rotation + torch RoPE. Both equal the
@@ -525,7 +526,7 @@ def test_store_reads_with_rope_fused_on_kernels(heads, head_dim):
     cos_sel, sin_sel = cos.gather(1, sel[..., None].expand(-1, -1, head_dim)), sin.gather(1, sel[..., None].expand(-1, -1, head_dim))
     reads = {}
     with torch.no_grad():
-        for impl, st in _filled_stores(d_kv, seed=4).items():
+        for impl, st in _filled_stores(d_kv, seed=4, window=window).items():
             reads[impl] = (st.read((cos, sin, heads)), st.read_selected(sel, (cos_sel, sin_sel, heads)), st.read())
     (k_all, v_all), (k_sel, v_sel), flat = reads["torch"]
     # the torch path is the definition: unflatten the flat read, rotate the keys
@@ -533,6 +534,7 @@ def test_store_reads_with_rope_fused_on_kernels(heads, head_dim):
     k_def = apply_rope(k_flat.reshape(2, 37, heads, head_dim).transpose(1, 2), cos, sin)
     torch.testing.assert_close(k_all, k_def)
     torch.testing.assert_close(v_all, v_flat.reshape(2, 37, heads, head_dim).transpose(1, 2))
+    assert reads["triton"][0][0].shape == k_all.shape  # the window (ordinals 29..36 when held) read too
     for got, want in zip(reads["triton"][:2], reads["torch"][:2]):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

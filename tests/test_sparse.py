@@ -200,10 +200,11 @@ def test_cr_matches_beta_plus_one_minus_beta_r(model, codec):
 # ---- batches --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["omnikv", "snapkv"])
-def test_left_padded_batch_equals_single_runs(model, codec, mode):
+@pytest.mark.parametrize("window", [0, 12])
+@pytest.mark.parametrize("mode", ["standalone", "omnikv", "snapkv"])
+def test_left_padded_batch_equals_single_runs(model, codec, mode, window):
     a, b = _ids(90, seed=4), _ids(61, seed=5)
-    changes = dict(mode=mode, select_budget=16, n_recent=8, snapkv_window=8)
+    changes = dict(mode=mode, select_budget=16, n_recent=8, snapkv_window=8, recent_window=window)
     batch = torch.cat([a, torch.cat([torch.zeros(1, 29, dtype=torch.long), b], 1)])
     mask = torch.cat([torch.ones(1, 90), torch.cat([torch.zeros(1, 29), torch.ones(1, 61)], 1)]).long()
     both = _generate(model, batch, _cache(model, codec, **changes), mask, n=20)
@@ -283,19 +284,53 @@ def test_snapkv_eviction_keeps_survivors_exact_and_is_irreversible():
         assert one.visible_ordinals()[0].tolist() == keep.tolist() + list(range(60, 69))
 
 
-def test_snapkv_accounting_explains_every_byte():
+@pytest.mark.parametrize("window", [0, 24])
+def test_snapkv_accounting_explains_every_byte(window):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(head_dim=32, num_attention_heads=2, num_key_value_heads=1)).eval()
     cfg = ResidualKVConfig(full_attention_layers=(0,), stride=10, n_sink=8)
     codec = ResidualCodec.for_model(model.config, cfg, d_c=32, d_ff=48)
-    cache = ResidualKVCache.from_model(model, codec, cfg, mode="snapkv", select_budget=64, snapkv_window=16)
+    cache = ResidualKVCache.from_model(model, codec, cfg, mode="snapkv", select_budget=64, snapkv_window=16,
+                                       recent_window=window)
     _generate(model, _ids(300, seed=5), cache, n=4)
     rep = accounting.report(cache)
     assert abs(rep["unexplained"]) < 1e-9
     assert rep["kr_measured"] < accounting.report(_filled(model, codec, cfg))["kr_measured"]
+    assert (rep["gap"].get("recent_window_fp16", 0) > 0) == bool(window)
     # CR: the full layer reads everything, the compressed ones read the 8 + 16 + 64 survivors + new tokens
+    # (the observation window widened to the FP16 window, which is never evicted)
+    kept = 8 + max(16, window) + 64
     assert rep["cr_per_layer"][0] == 1.0
-    assert rep["cr_per_layer"][1] == pytest.approx(sum(88 + t for t in range(3)) / sum(300 + t for t in range(3)))
+    assert rep["cr_per_layer"][1] == pytest.approx(sum(kept + t for t in range(3)) / sum(300 + t for t in range(3)))
+
+
+def test_recent_window_is_always_attended_and_never_evicted(model, codec):
+    """The FP16 window costs no reconstruction: OmniKV reads it at every step even when it is wider than
+    n_recent, and SnapKV keeps it whole (its observation window widened to it)."""
+    cache = _cache(model, codec, mode="omnikv", select_budget=6, n_recent=3, recent_window=10)
+    seen = []
+    choose = cache.sparse.choose
+
+    def spy(h, scores):
+        choose(h, scores)
+        seen.append((cache.rows.n_slots - 1, cache.sparse.selection[0][0].tolist()))
+
+    cache.sparse.choose = spy
+    _generate(model, _ids(60), cache, n=6)
+    for n, sel in seen:
+        assert set(sel) >= {0, 1} | set(range(n - 10, n)) and len(sel) == 2 + 10 + 6
+    snap = _cache(model, codec, mode="snapkv", select_budget=20, snapkv_window=4, recent_window=16)
+    _generate(model, _ids(150, seed=7), snap, n=5)
+    for layer in snap.layers:
+        if isinstance(layer, ResidualLayer):
+            (store,) = layer.stores
+            assert store.n_win == 16 and store.ref_ord is not None
+            vis = store.visible_ordinals()[0]
+            assert vis.tolist() == sorted(set(vis.tolist()))
+            assert set(range(150 - 16, store.n)) <= set(vis.tolist())  # the prompt's window + decoded tokens
+            assert int((vis < 150).sum()) == 2 + 20 + 16
+    rep = accounting.report(snap)
+    assert rep["bytes"]["recent_window_fp16"] == 3 * 16 * 64 * 2 and abs(rep["unexplained"]) < 0.02
 
 
 def _filled(model, codec, cfg):

@@ -46,7 +46,8 @@ def register(subparsers) -> None:
                    help="comma list of methods (default: every registered method and snapkv); 'full' is always run "
                         "as the reference; snapkv-NN keeps NN%% of the prompt; residualkv-rNN / omnikv-rNN select "
                         "NN%% of the history per decode step; residualkv-snapkv-rNN keeps NN%% of the prompt "
-                        "on the compressed layers")
+                        "on the compressed layers; a -wNN suffix on a residualkv method (residualkv-standalone-w64, "
+                        "residualkv-r08-w64) holds the newest NN tokens of its compressed layers in FP16")
     e.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--tasks", default=None, metavar="FILE.jsonl",
@@ -174,7 +175,8 @@ def cmd_eval(args) -> int:
             except ValueError as err:
                 raise SystemExit(f"{err}, snapkv, snapkv-NN (keep NN% of the prompt), residualkv-rNN / omnikv-rNN "
                                  "(select NN% of the history per decode step), residualkv-snapkv-rNN (keep NN% of the "
-                                 "prompt on the compressed layers)") from None
+                                 "prompt on the compressed layers), and a -wNN suffix on residualkv methods (the newest "
+                                 "NN tokens held in FP16)") from None
     lengths = _int_list(args.context_len)
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"

@@ -45,13 +45,13 @@ from .stats import rel_score_interval
 
 REFERENCE = "full"
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
-# OmniKV selection at a ratio of the history: residualkv-r15 / omnikv-r15 select 15% per decode step;
-# residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers (the SnapKV baseline's ratio)
-_SELECT = re.compile(r"^(residualkv|omnikv|residualkv-snapkv)-r(\d+)$")
-
-
-# ---------------------------------------------------------------------------------------------
-# Methods: the registry in methods.py, plus SnapKV until it is registered there
+# Variants of registered methods, by suffix: -rNN selects NN% of the history per decode step
+# (residualkv-r15, omnikv-r15; residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers, the
+# SnapKV baseline's ratio); -wNN holds the newest NN tokens of the compressed layers in FP16 (ResidualKV
+# methods only: residualkv-standalone-w64, residualkv-r08-w64)
+_VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?$")
+_RATIO_BASES = ("residualkv", "omnikv", "residualkv-snapkv")
+_WINDOW_BASES = ("residualkv", "residualkv-standalone", "residualkv-snapkv", "residualkv-int2")
 
 
 def _snapkv_ratio(name: str) -> float | None:
@@ -61,23 +61,33 @@ def _snapkv_ratio(name: str) -> float | None:
     return int(m.group(1)) / 100 if m.group(1) else 0.2
 
 
-def _select_variant(name: str) -> tuple[str, float] | None:
-    m = _SELECT.match(name)
-    if not m or not 0 < int(m.group(2)) <= 100:
+def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
+    """A suffixed variant -> (registered method, config changes); None when `name` is not one."""
+    m = _VARIANT.match(name)
+    if not m or (m["ratio"] is None and m["window"] is None):
         return None
-    return m.group(1), int(m.group(2)) / 100
+    base, changes = m["base"], {}
+    if m["ratio"] is not None:
+        if base not in _RATIO_BASES or not 0 < int(m["ratio"]) <= 100:
+            return None
+        changes["select_ratio"] = int(m["ratio"]) / 100
+    if m["window"] is not None:
+        if base not in _WINDOW_BASES:
+            return None
+        changes["recent_window"] = int(m["window"])
+    return base, changes
 
 
 def known_method(name: str) -> bool:
     from ..methods import METHODS
 
-    return name in METHODS or _snapkv_ratio(name) is not None or _select_variant(name) is not None
+    return name in METHODS or _snapkv_ratio(name) is not None or _variant(name) is not None
 
 
 def method_needs_codec(name: str) -> bool:
     from ..methods import METHODS, get_method
 
-    variant = _select_variant(name)
+    variant = _variant(name)
     if variant is not None:
         name = variant[0]
     if name in METHODS:
@@ -91,12 +101,13 @@ def method_needs_codec(name: str) -> bool:
 def build_method_cache(name: str, model, codec=None, base=None):
     """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%;
     `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio);
-    `residualkv-snapkv-rNN` keeps NN% of the prompt on the compressed layers."""
+    `residualkv-snapkv-rNN` keeps NN% of the prompt on the compressed layers; a `-wNN` suffix on a
+    ResidualKV method holds the newest NN tokens of its compressed layers in FP16 (recent_window)."""
     from ..methods import METHODS, build_cache
 
-    variant = _select_variant(name)
+    variant = _variant(name)
     if variant is not None:
-        return build_cache(variant[0], model, codec, base, select_ratio=variant[1])
+        return build_cache(variant[0], model, codec, base, **variant[1])
     if name in METHODS:
         return build_cache(name, model, codec, base)
     ratio = _snapkv_ratio(name)
