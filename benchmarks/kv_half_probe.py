@@ -8,14 +8,14 @@ layer's history exact (the other half as the codec reconstructs it):
 
     python benchmarks/kv_half_probe.py outliers:0.03 -- --methods full,residualkv --context-len 2048 --json OUT
     python benchmarks/kv_half_probe.py values@3-7,9-11 -- --methods full,residualkv --context-len 2048 --json OUT
-    python benchmarks/kv_half_probe.py recent:64 -- --methods full,residualkv --context-len 2048 --json OUT
 
 `keys`: pre-RoPE keys exact, values reconstructed; `values`: the reverse. `outliers:P`: both halves of
 the share P of coded tokens the references predict worst (largest ‖x - mean of its k references‖², the
 threshold fixed at the first write's (1 - P) quantile per layer) exact, every other token reconstructed:
 what an exact side channel for badly predicted tokens would buy. `@LAYERS` (ranges and ids, e.g.
-`keys@3-7,9`) limits the exact half to those layers: which layers' error costs retrieval. `recent:W`: the
-newest W tokens of every coded layer read exact (a sliding window, as KIVI keeps in FP16), older ones as stored. The exact part is held beside
+`keys@3-7,9`) limits the exact half to those layers: which layers' error costs retrieval. (The newest
+tokens read exact, once a mode here, are now the cache's own `recent_window`, counted in KR: the `-wNN`
+method suffix of `rkv eval`.) The exact part is held beside
 the store and is **not counted**: the KR these rows report is the codec's, not what the diagnostic held,
 so the rows rank where the codec's error hurts, they are not a method. References keep their FP8 round
 trip in both (the half read exact is the float original). Standalone reads only (torch path); OmniKV or
@@ -121,27 +121,12 @@ def patch_outliers(share: float) -> None:
     _install(keep, overlay)
 
 
-def patch_recent(window: int) -> None:
-    def keep(self, kv, new, n0, r0):
-        self.exact_rows = _append(getattr(self, "exact_rows", None), kv.float())
-        w = min(window, new.shape[1])  # the newest tokens of this write are inside the window
-        new[:, new.shape[1] - w:] = kv[:, kv.shape[1] - w:].float()
-
-    def overlay(self, out):
-        w = min(window, out.shape[1])
-        out[:, out.shape[1] - w:] = self.exact_rows[:, self.exact_rows.shape[1] - w:]
-
-    _install(keep, overlay)
-
-
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     half, _, layer_spec = mode.partition("@")
-    if len(sys.argv) < 3 or sys.argv[2] != "--" or not (half in ("keys", "values") or mode.startswith(("outliers:", "recent:"))):
+    if len(sys.argv) < 3 or sys.argv[2] != "--" or not (half in ("keys", "values") or mode.startswith("outliers:")):
         raise SystemExit(__doc__)
-    if mode.startswith("recent:"):
-        patch_recent(int(mode.split(":", 1)[1]))
-    elif mode.startswith("outliers:"):
+    if mode.startswith("outliers:"):
         patch_outliers(float(mode.split(":", 1)[1]))
     else:
         patch(half, set(parse_layers(layer_spec, where=mode)) if layer_spec else None)
