@@ -113,10 +113,11 @@ def test_custom_attention_without_selection_is_exactly_sdpa(model):
 
 
 @pytest.mark.parametrize("shortcut", [False, True])
-@pytest.mark.parametrize("changes", [dict(select_ratio=1.0), dict(select_budget=10_000)])
+@pytest.mark.parametrize("changes", [dict(select_ratio=1.0), dict(select_budget=10_000),
+                                     dict(select_ratio=1.0, recent_window=24)])
 def test_full_budget_reproduces_standalone(model, codec, changes, shortcut):
     ids = _ids(120, seed=1)
-    ref = _generate(model, ids, _cache(model, codec), n=12)
+    ref = _generate(model, ids, _cache(model, codec, recent_window=changes.get("recent_window", 0)), n=12)
     cache = _cache(model, codec, mode="omnikv", **changes)
     cache.sparse.full_read_shortcut = shortcut  # False: gather and decode I_t = everything via read_selected
     out = _generate(model, ids, cache, n=12)
@@ -438,5 +439,13 @@ def test_omnikv_full_budget_reproduces_standalone_smollm2(smollm2):
         assert rep["cr"] == pytest.approx(rep["cr_formula"]) and rep["cr"] < 0.4
         per = rep["reconstruction_per_layer_per_step"]["5"]
         assert per["attended"] == 8 + 8 + 16 and per["codes_decoded"] <= 32 < per["history"]
+        # with a 12-token FP16 window the selection holds it whole and decodes no code for it
+        win = ResidualKVCache.from_model(model, codec, cfg, mode="omnikv", select_budget=16, n_recent=8,
+                                         recent_window=12)
+        _generate(model, ids, win, n=6)
+        rep = accounting.report(win)
+        per = rep["reconstruction_per_layer_per_step"]["5"]
+        assert per["attended"] == 8 + 12 + 16 and per["codes_decoded"] <= 36 - 12
+        assert abs(rep["unexplained"]) < 1e-3 and rep["gap"]["recent_window_fp16"] > 0
     finally:
         model.set_attn_implementation("sdpa")  # leave the session-scoped model as the fixture made it
