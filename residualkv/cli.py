@@ -74,16 +74,27 @@ def context_ids(tokenizer, n_tokens: int, batch: int = 1) -> torch.Tensor:
 
 # ---- subcommands ----
 
+def method_name(name: str) -> str:
+    """argparse type: a registered method or one of its suffixed variants (residualkv-r08, -w64...)."""
+    from .evaluation.harness import known_method
+
+    if not known_method(name):
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}; known: {', '.join(METHODS)}, and their variants "
+                                         "-rNN / -wNN (see `rkv eval --help`)")
+    return name
+
+
 def cmd_accounting(args) -> int:
+    from .evaluation.harness import build_method_cache, method_needs_codec
+
     model, tok, spec = load_backbone(args.backbone)
     cfg = base_config(spec)
-    method = get_method(args.method)
     codec, codec_note = None, "none"
-    if method.needs_codec:
+    if method_needs_codec(args.method):
         codec = resolve_codec(args.codec, model, spec, required=False)
         codec_note = "trained" if codec is not None else "untrained (bytes do not depend on weights)"
         codec = codec or untrained_codec(model, spec, cfg)
-    cache = build_cache(args.method, model, codec, cfg)
+    cache = build_method_cache(args.method, model, codec, cfg)
     ids = context_ids(tok, args.context_len, args.batch)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -118,9 +129,11 @@ def _generate(model, tok, prompt: str, cache, max_new_tokens: int) -> str:
 
 
 def cmd_generate(args) -> int:
+    from .evaluation.harness import build_method_cache, method_needs_codec
+
     model, tok, spec = load_backbone(args.backbone)
-    codec = resolve_codec(args.codec, model, spec)
-    cache = build_cache(args.method, model, codec, base_config(spec))
+    codec = resolve_codec(args.codec, model, spec) if method_needs_codec(args.method) else None
+    cache = build_method_cache(args.method, model, codec, base_config(spec))
     print(_generate(model, tok, args.prompt, cache, args.max_new_tokens))
     rep = accounting.report(cache)
     print(f"[{args.method}] measured KR {rep['kr_measured']:.2%} (formula {rep['kr_formula']:.2%}), CR {rep['cr']:.0%}",
@@ -155,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("accounting", help="measured KR/CR of a method at a context length")
     a.add_argument("--backbone", default="smollm2-135m")
-    a.add_argument("--method", default="residualkv", choices=list(METHODS))
+    a.add_argument("--method", default="residualkv", type=method_name, help="a method of `rkv eval`, variants included")
     a.add_argument("--context-len", type=int, default=4096)
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--decode-steps", type=int, default=8, help="greedy tokens decoded after the prefill (CR is measured on them)")
@@ -166,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="answer a prompt with a compressed cache")
     g.add_argument("prompt")
     g.add_argument("--backbone", default="smollm2-135m")
-    g.add_argument("--method", default="residualkv", choices=list(METHODS))
+    g.add_argument("--method", default="residualkv", type=method_name, help="a method of `rkv eval`, variants included")
     g.add_argument("--codec", default=None)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.set_defaults(func=cmd_generate)

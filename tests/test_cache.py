@@ -272,6 +272,21 @@ def test_rkv_accounting_json_contract_smollm2_4096(smollm2):
     assert abs(rep["unexplained"]) < 1e-9
 
 
+def test_rkv_accounting_takes_method_variants_smollm2(smollm2):
+    """`--method` takes the variants of `rkv eval`: an FP16 window of 64 tokens, counted and explained."""
+    run = [sys.executable, "-m", "residualkv.cli", "accounting", "--backbone", "smollm2-135m", "--context-len", "1024",
+           "--decode-steps", "2", "--json", "--method"]
+    reps = {m: json.loads(subprocess.run(run + [m], capture_output=True, text=True, check=True).stdout)
+            for m in ("residualkv-standalone", "residualkv-standalone-w64")}
+    base, win = reps["residualkv-standalone"], reps["residualkv-standalone-w64"]
+    # 64 tokens x 25 coded layers x 2 x 3 KV heads x 64 dims x 2 bytes, no other component grows
+    assert win["bytes"]["recent_window_fp16"] == 64 * 25 * 384 * 2
+    assert win["total_bytes"] > base["total_bytes"] and abs(win["unexplained"]) < 1e-9
+    assert win["inputs"]["recent_window"] == 64
+    bad = subprocess.run(run + ["kivi2-w64"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown method 'kivi2-w64'" in bad.stderr
+
+
 def test_recent_window_holds_the_newest_tokens_exact_and_codes_the_rest_as_without_it():
     """With recent_window W, the newest W tokens are held in FP16 and each is coded when it leaves: the
     coded bytes are those of a store without a window (fed the same FP16 values), however the writes
