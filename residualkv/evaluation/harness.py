@@ -51,7 +51,6 @@ _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # methods only: residualkv-standalone-w64, residualkv-r08-w64)
 _VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?$")
 _RATIO_BASES = ("residualkv", "omnikv", "residualkv-snapkv")
-_WINDOW_BASES = ("residualkv", "residualkv-standalone", "residualkv-snapkv", "residualkv-int2")
 
 
 def _snapkv_ratio(name: str) -> float | None:
@@ -72,7 +71,9 @@ def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
             return None
         changes["select_ratio"] = int(m["ratio"]) / 100
     if m["window"] is not None:
-        if base not in _WINDOW_BASES:
+        from ..methods import METHODS
+
+        if base not in METHODS or not METHODS[base].needs_codec:  # the codec methods are the ResidualKV ones
             return None
         changes["recent_window"] = int(m["window"])
     return base, changes
