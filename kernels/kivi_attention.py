@@ -35,6 +35,7 @@ def kivi_decode_attention_reference(q: torch.Tensor, store, scale: float | None 
 def _kivi_attn_kernel(q_ptr, kc_ptr, kmin_ptr, ksc_ptr, vc_ptr, vmin_ptr, vsc_ptr, wk_ptr, wv_ptr,
                       acc_ptr, m_ptr, l_ptr,
                       G, W, blocks_per_split, n_split, sm_scale,
+                      s_kc, s_km, s_vc, s_vm,
                       HKV: tl.constexpr, QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                       BITS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
                       IEEE: tl.constexpr, UPCAST: tl.constexpr):
@@ -63,23 +64,25 @@ def _kivi_attn_kernel(q_ptr, kc_ptr, kmin_ptr, ksc_ptr, vc_ptr, vmin_ptr, vsc_pt
     l_i = tl.zeros([QP], tl.float32)
     acc = tl.zeros([QP, DP], tl.float32)
 
-    n_q = G * KG
     g_lo = split * blocks_per_split
     g_hi = tl.minimum(g_lo + blocks_per_split, G)  # the window split starts past G: no quantised groups
     for g in range(g_lo, g_hi):
         # keys: tile [D, KG] of group g, channel-major (per-channel min/scale)
-        kbase = (bh * G + g) * D
-        kb = tl.load(kc_ptr + (kbase + d[:, None]) * NBK + t[None, :] // PER_BYTE, mask=dmask[:, None], other=0)
+        # s_*: elements between consecutive (b, h) in each tensor (the stores keep spare capacity)
+        kb = tl.load(kc_ptr + bh * s_kc + (g * D + d[:, None]) * NBK + t[None, :] // PER_BYTE, mask=dmask[:, None],
+                     other=0)
         kq = (kb.to(tl.int32) >> ((t[None, :] % PER_BYTE) * BITS)) & LEVELS
-        kmn = tl.load(kmin_ptr + kbase + d, mask=dmask, other=0.0).to(tl.float32)
-        ksc = tl.load(ksc_ptr + kbase + d, mask=dmask, other=0.0).to(tl.float32)
+        kmn = tl.load(kmin_ptr + bh * s_km + g * D + d, mask=dmask, other=0.0).to(tl.float32)
+        ksc = tl.load(ksc_ptr + bh * s_km + g * D + d, mask=dmask, other=0.0).to(tl.float32)
         kt = (kq.to(tl.float32) * ksc[:, None] + kmn[:, None]).to(q.dtype)
         # values: tile [KG, D], per-token groups along D
-        tok = bh * n_q + g * KG + t
-        vb = tl.load(vc_ptr + tok[:, None] * NBV + d[None, :] // PER_BYTE, mask=dmask[None, :], other=0)
+        tok = g * KG + t
+        vb = tl.load(vc_ptr + bh * s_vc + tok[:, None] * NBV + d[None, :] // PER_BYTE, mask=dmask[None, :], other=0)
         vq = (vb.to(tl.int32) >> ((d[None, :] % PER_BYTE) * BITS)) & LEVELS
-        vmn = tl.load(vmin_ptr + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :], other=0.0).to(tl.float32)
-        vsc = tl.load(vsc_ptr + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :], other=0.0).to(tl.float32)
+        vmn = tl.load(vmin_ptr + bh * s_vm + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :],
+                      other=0.0).to(tl.float32)
+        vsc = tl.load(vsc_ptr + bh * s_vm + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :],
+                      other=0.0).to(tl.float32)
         vt = (vq.to(tl.float32) * vsc + vmn).to(q.dtype)
 
         if IEEE:
@@ -179,8 +182,11 @@ def kivi_decode_attention(q: torch.Tensor, store, *, scale: float | None = None,
     nsplit = n_q_splits + 1  # + the window split
     u8 = torch.zeros(1, dtype=torch.uint8, device=dev)
     f16 = torch.zeros(1, dtype=torch.float16, device=dev)
-    kc, kmn, ksc = (t.contiguous() for t in kq) if kq is not None else (u8, f16, f16)
-    vc, vmn, vsc = (t.contiguous() for t in vq) if vq is not None else (u8, f16, f16)
+    if G:
+        (kc, kmn, ksc), (vc, vmn, vsc) = _by_head(kq), _by_head(vq)
+        strides = (kc.stride(1), kmn.stride(1), vc.stride(1), vmn.stride(1))
+    else:  # the window alone: placeholders, never read
+        kc, kmn, ksc, vc, vmn, vsc, strides = u8, f16, f16, u8, f16, f16, (0, 0, 0, 0)
     wk = win_k.contiguous() if W else f16
     wv = win_v.contiguous() if W else f16
     qc = q.contiguous()
@@ -193,11 +199,25 @@ def kivi_decode_attention(q: torch.Tensor, store, *, scale: float | None = None,
     # the split count is a runtime argument: it changes as the history grows, a constexpr would recompile
     _attn[(B * H, nsplit)](qc, kc, kmn, ksc, vc, vmn, vsc, wk, wv, part_acc, part_m, part_l,
                            G, W, max(bps, 1), nsplit, sm_scale,
+                           *strides,
                            HKV=H, QPG=qpg, QP=max(16, next_pow2(qpg)), D=D, DP=max(16, next_pow2(D)),
                            BITS=bits, KG=kg, VG=vg, IEEE=upcast or q.dtype == torch.float32, UPCAST=upcast)
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=dev)
     _merge[(B * Hq,)](part_acc, part_m, part_l, out, nsplit, D=D, DP=max(16, next_pow2(D)),
                       SP=max(2, next_pow2(nsplit)))
+    return out
+
+
+def _by_head(packed) -> list[torch.Tensor]:
+    """The fields of a packed store [B, H, n, ...] as the kernel reads them: each (b, h) block dense,
+    consecutive (b, h) one stride apart (`stride(1)`), and mins and scales with the same strides, as in
+    the filled prefix of a store grown in place. Anything else is copied into that layout."""
+    out = []
+    for t in packed:
+        ok = t[0, 0].is_contiguous() and (t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1))
+        out.append(t if ok else t.contiguous())
+    if out[1].stride() != out[2].stride():
+        out[1:] = [t.contiguous() for t in out[1:]]
     return out
 
 

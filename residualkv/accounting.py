@@ -5,6 +5,8 @@ Formula: KR = β q_full + (1-β)(ρ_ref·r_ref + q_b d_c / (2 d_k)), q_b = b/16 
 references (1 for FP16). The formula leaves out reference indices, sink tokens, the FP16 window of
 full layers and the per-row positions; `gap` attributes the difference to each of them, and
 `unexplained` is what is left (zero when every byte is accounted for).
+Stores grow in place into spare capacity (residualkv.growing): `spare_bytes` is that capacity, memory
+that holds no data yet, and `kr_allocated` counts it too; KR does not.
 CR = history tokens that took part in attention / history tokens, averaged over layers, measured over
 decode steps (one new token per row; prefill attends densely in every mode) from what the attention
 path really read. With filter (full-attention) layers a fraction β of the layers, CR = β + (1-β)·r,
@@ -115,8 +117,13 @@ def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
     fp16 = cache.fp16_bytes()
     kv = comp.get("kv_fp16", 0)
     return {"kr_measured": kv / fp16 if fp16 else 1.0, "kr_formula": 1.0, "bytes": comp, "total_bytes": sum(comp.values()),
-            "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
+            **_spare(cache, sum(comp.values()), fp16), "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
             **_sparse_report(cache)}
+
+
+def _spare(cache, total: int, fp16: int) -> dict[str, Any]:
+    spare = cache.spare_bytes()
+    return {"spare_bytes": spare, "kr_allocated": (total + spare) / fp16 if fp16 else 0.0}
 
 
 def _report_dynamic(cache: DynamicCache) -> dict[str, Any]:
@@ -180,6 +187,7 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
         **_sparse_report(cache),
         "bytes": comp,
         "total_bytes": total,
+        **_spare(cache, total, fp16),
         "fp16_bytes": fp16,
         "gap": gap,
         "unexplained": unexplained,

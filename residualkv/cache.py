@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .codec import CodecError, LayerCodec, ResidualCodec, model_shape
 from .config import ConfigError, ResidualKVConfig
+from .growing import Growing, grown
 from .quant import Packed, decode_ref, dequantize, encode_ref, quantize
 from .retrieval import mean_of_refs
 from .rope import RopeTable, apply_rope, invert_rope
@@ -50,8 +51,9 @@ class Group:
 class RowLayout:
     schedule: ReferenceSchedule
     n_slots: int = 0
-    positions: torch.Tensor | None = None  # [B, n_slots] int32, RoPE position of every slot
+    _positions: Growing = field(default_factory=lambda: Growing(dim=1))
     groups: list[Group] = field(default_factory=list)
+    positions = grown("_positions")  # [B, n_slots] int32, RoPE position of every slot
 
     def append(self, position_ids: torch.Tensor | None, batch: int, length: int, device: torch.device) -> None:
         if position_ids is None:
@@ -71,7 +73,7 @@ class RowLayout:
             if pos.shape[0] != self.positions.shape[0]:
                 raise ValueError(f"batch size changed from {self.positions.shape[0]} to {pos.shape[0]} mid-sequence; "
                                  "start a new ResidualKVCache for a new batch")
-            self.positions = torch.cat([self.positions, pos], dim=1)
+            self._positions.append(pos)
         self.n_slots += length
 
     def valid_tokens(self) -> int:
@@ -79,7 +81,10 @@ class RowLayout:
         return sum(int(g.rows.numel()) * (self.n_slots - g.start) for g in self.groups)
 
     def nbytes(self) -> int:
-        return 0 if self.positions is None else self.positions.numel() * self.positions.element_size()
+        return _nbytes(self.positions)
+
+    def spare_bytes(self) -> int:
+        return self._positions.spare_bytes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +130,17 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 class ResidualStore:
     """References + packed latent residual codes for one layer and one row group, in ordinal order."""
 
+    # grown in place along the token axis (residualkv.growing): a step appends, it does not copy
+    refs = grown("_refs")  # [B, R, d] uint8 (fp8 bytes) or fp16
+    codes = grown("_codes")  # Packed, fields [B, C, ...]
+    ref_idx = grown("_ref_idx")  # [B, C, k] int16 (int32 past 32767 refs), -1 = unused
+    # After a SnapKV eviction (`evict`, one row per store) the kept tokens are no longer every
+    # ordinal: their ordinals are listed, and references kept only because codes need them are
+    # hidden from attention. None = the dense layout (ordinal i is token i, refs from the schedule).
+    ref_ord = grown("_ref_ord")  # [R] int32 ordinals of the kept references
+    code_ord = grown("_code_ord")  # [C] int32 ordinals of the kept codes
+    ref_visible = grown("_ref_visible")  # [R] bool: the reference takes part in attention
+
     def __init__(self, codec: LayerCodec, cfg: ResidualKVConfig, schedule: ReferenceSchedule):
         self.codec, self.cfg, self.schedule = codec, cfg, schedule
         self.n_coded = 0  # ordinals 0..n_coded-1 are coded (references + codes)
@@ -132,15 +148,8 @@ class ResidualStore:
         # the coded bytes are the ones an unwindowed store would hold (references strictly before a
         # token are all coded by then); ordinals n_coded..n-1
         self.win: torch.Tensor | None = None  # [B, w, d] fp16 pre-RoPE keys ‖ values
-        self.refs: torch.Tensor | None = None  # [B, R, d] uint8 (fp8 bytes) or fp16
-        self.codes: Packed | None = None  # fields [B, C, ...]
-        self.ref_idx: torch.Tensor | None = None  # [B, C, k] int16 (int32 past 32767 refs), -1 = unused
-        # After a SnapKV eviction (`evict`, one row per store) the kept tokens are no longer every
-        # ordinal: their ordinals are listed, and references kept only because codes need them are
-        # hidden from attention. None = the dense layout (ordinal i is token i, refs from the schedule).
-        self.ref_ord: torch.Tensor | None = None  # [R] int32 ordinals of the kept references
-        self.code_ord: torch.Tensor | None = None  # [C] int32 ordinals of the kept codes
-        self.ref_visible: torch.Tensor | None = None  # [R] bool: the reference takes part in attention
+        self._refs, self._codes, self._ref_idx = Growing(dim=1), Growing(dim=1), Growing(dim=1)
+        self._ref_ord, self._code_ord, self._ref_visible = Growing(dim=0), Growing(dim=0), Growing(dim=0)
         self.evicted_refs = 0
         self.evicted_codes = 0
         # instrumentation (what reads really reconstructed): latent codes decoded, references read
@@ -203,7 +212,7 @@ class ResidualStore:
         refs_hat = new_refs + (decode_ref(stored, cfg.ref_format) - new_refs).detach()
         out[:, is_ref] = refs_hat
         r_old = self.n_refs
-        self.refs = _cat(self.refs, stored)
+        self._refs.append(stored)
 
         is_code = ~is_ref
         if bool(is_code.any()):
@@ -218,17 +227,17 @@ class ResidualStore:
             packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
             z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
             out[:, is_code] = self.codec.decode(z_hat).float() + mean
-            self.codes = packed if self.codes is None else Packed(*(torch.cat([a, b], 1) for a, b in zip(self.codes, packed)))
+            self._codes.append(packed)
             idx_dtype = torch.int16 if self.n_refs <= torch.iinfo(torch.int16).max else torch.int32
             if self.ref_idx is not None and self.ref_idx.dtype != idx_dtype:
                 self.ref_idx = self.ref_idx.to(idx_dtype)
-            self.ref_idx = _cat(self.ref_idx, idx.to(idx_dtype))
+            self._ref_idx.append(idx.to(idx_dtype))
         if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
             new_ord = torch.arange(self.n_coded, self.n_coded + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
             m = is_ref.to(new_ord.device)
-            self.ref_ord = torch.cat([self.ref_ord, new_ord[m]])
-            self.ref_visible = torch.cat([self.ref_visible, m.new_ones(int(m.sum()))])
-            self.code_ord = torch.cat([self.code_ord, new_ord[~m]])
+            self._ref_ord.append(new_ord[m])
+            self._ref_visible.append(m.new_ones(int(m.sum())))
+            self._code_ord.append(new_ord[~m])
         if self.keep_grad:
             self.grad_history = _cat(self.grad_history, out)
         self.n_coded += T
@@ -494,6 +503,10 @@ class ResidualStore:
             out["eviction_ordinals"] = _nbytes(self.ref_ord, self.code_ord, self.ref_visible)
         return out
 
+    def spare_bytes(self) -> int:
+        return sum(g.spare_bytes() for g in (self._refs, self._codes, self._ref_idx, self._ref_ord, self._code_ord,
+                                             self._ref_visible))
+
 
 class _RowStores:
     """One ResidualStore per row of a group, after SnapKV kept different tokens in each row. Every row
@@ -523,6 +536,9 @@ class _RowStores:
     def nbytes(self) -> dict[str, int]:
         return _sum_dicts(s.nbytes() for s in self.stores)
 
+    def spare_bytes(self) -> int:
+        return sum(s.spare_bytes() for s in self.stores)
+
 
 class KiviStore:
     """KIVI-style full-attention layer: keys quantised per channel over groups of tokens, values per
@@ -530,11 +546,13 @@ class KiviStore:
     is never emptied, so the token a step writes is read back exact (new_kv "exact") on every path,
     the fused decode attention included, which reads only the stores."""
 
+    kq = grown("_kq")  # Packed, fields [B, H, G, D, ...]: per-channel groups of tokens
+    vq = grown("_vq")  # Packed, fields [B, H, n_q, ...]: per-token groups of channels
+
     def __init__(self, cfg: ResidualKVConfig):
         self.cfg = cfg
         self.n = 0
-        self.kq: Packed | None = None  # fields [B, H, G, D, ...]: per-channel groups of tokens
-        self.vq: Packed | None = None  # fields [B, H, n_q, ...]: per-token groups of channels
+        self._kq, self._vq = Growing(dim=2), Growing(dim=2)
         self.win_k: torch.Tensor | None = None  # [B, H, w, D] fp16
         self.win_v: torch.Tensor | None = None
 
@@ -552,8 +570,8 @@ class KiviStore:
         B, H, _, D = fk.shape
         kq = quantize(fk.reshape(B, H, m // g, g, D).transpose(-1, -2), cfg.full_bits, g)
         vq = quantize(fv, cfg.full_bits, self.value_group(D))
-        self.kq = kq if self.kq is None else Packed(*(torch.cat([a, b], 2) for a, b in zip(self.kq, kq)))
-        self.vq = vq if self.vq is None else Packed(*(torch.cat([a, b], 2) for a, b in zip(self.vq, vq)))
+        self._kq.append(kq)
+        self._vq.append(vq)
 
     def value_group(self, head_dim: int) -> int:
         """Values are grouped along head_dim; a head smaller than a group is one group."""
@@ -577,6 +595,9 @@ class KiviStore:
             "full_layer_mins_scales": _nbytes(self.kq.mins, self.kq.scales, self.vq.mins, self.vq.scales) if self.kq else 0,
             "full_layer_window_fp16": _nbytes(self.win_k, self.win_v),
         }
+
+    def spare_bytes(self) -> int:
+        return self._kq.spare_bytes() + self._vq.spare_bytes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,6 +729,9 @@ class _GroupedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         _GroupedLayer.__init__(self)
+
+    def spare_bytes(self) -> int:
+        return sum(s.spare_bytes() for s in self.stores)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("a ResidualKV cache cannot be cropped: tokens are compressed against each other; "
@@ -962,6 +986,11 @@ class ResidualKVCache(Cache):
         out["positions"] = self.rows.nbytes()
         return out
 
+    def spare_bytes(self) -> int:
+        """Bytes allocated past the stored ones: capacity the stores grow into (residualkv.growing), at
+        most about an eighth of what they hold; memory, not data, so outside `nbytes` and KR."""
+        return sum(layer.spare_bytes() for layer in self.layers) + self.rows.spare_bytes()
+
     def fp16_bytes(self) -> int:
         """Bytes an FP16 full cache would hold for the same real tokens."""
         return self.rows.valid_tokens() * len(self.layers) * 2 * self.num_kv_heads * self.head_dim * 2
@@ -976,13 +1005,16 @@ def _no_window_in_training(cfg: ResidualKVConfig) -> None:
 class DenseStore:
     """Exact keys and values of one row group (the model's dtype; accounted as FP16): OmniKV's baseline."""
 
+    k = grown("_k")  # [B, H, n, D]
+    v = grown("_v")
+
     def __init__(self):
         self.n = 0
-        self.k: torch.Tensor | None = None  # [B, H, n, D]
-        self.v: torch.Tensor | None = None
+        self._k, self._v = Growing(dim=2), Growing(dim=2)
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = _cat(self.k, k.detach(), dim=2), _cat(self.v, v.detach(), dim=2)
+        self._k.append(k.detach())
+        self._v.append(v.detach())
         self.n += k.shape[2]
 
     def read_selected(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -992,6 +1024,9 @@ class DenseStore:
 
     def nbytes(self) -> dict[str, int]:
         return {"kv_fp16": 0 if self.k is None else (self.k.numel() + self.v.numel()) * 2}
+
+    def spare_bytes(self) -> int:
+        return self._k.spare_bytes() + self._v.spare_bytes()
 
 
 class DenseLayer(_GroupedLayer):

@@ -196,8 +196,13 @@ def test_accounting_explains_every_byte():
     assert rep["total_bytes"] == sum(rep["bytes"].values())
     assert rep["fp16_bytes"] == 300 * 4 * 2 * 1 * 32 * 2
     assert abs(rep["unexplained"]) < 1e-9
-    assert rep["cr"] == 1.0
+    assert rep["cr"] == 1.0 and rep["spare_bytes"] == 0  # a prefill is stored without spare room
     json.dumps(rep)
+    with torch.no_grad():  # decode steps append into spare room: still every stored byte explained
+        for t in range(40):
+            model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+    rep = accounting.report(cache)
+    assert rep["spare_bytes"] > 0 and abs(rep["unexplained"]) < 1e-9
 
 
 def test_codec_save_load_and_refusals(tmp_path, tiny_model):
@@ -336,3 +341,62 @@ def test_recent_window_is_refused_while_training(tiny_model):
     for hook in (cache.collect_rec_loss, cache.keep_grad_history):
         with pytest.raises(ValueError, match="recent_window=0"):
             hook()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored tensors grow in place (residualkv.growing): a decode step appends, it does not copy
+
+
+def test_growing_appends_equal_cat_keep_earlier_views_and_reallocate_rarely():
+    from residualkv.growing import GROW_FRACTION, MIN_GROW, Growing
+    from residualkv.quant import Packed
+
+    g, gp = Growing(dim=1), Growing(dim=1)
+    first = torch.arange(12.0).reshape(2, 6)
+    g.append(first)
+    assert g.get().data_ptr() == first.data_ptr() and g.spare_bytes() == 0  # held as given, no spare room
+    want, views, capacities = first.clone(), [], set()
+    for step in range(300):
+        row = torch.full((2, 1 + step % 3), float(step))
+        g.append(row)
+        gp.append(Packed(row.to(torch.uint8), row.half(), -row.half()))
+        want = torch.cat([want, row], dim=1)
+        views.append((g.get(), want.clone()))
+        cap = g.bufs[0].shape[1]
+        capacities.add(cap)  # a reallocation always grows the capacity
+        assert torch.equal(g.get(), want)
+        assert cap - g.n <= MIN_GROW + cap // GROW_FRACTION + 3
+        assert g.spare_bytes() == 2 * (cap - g.n) * 4
+    assert torch.equal(first, torch.arange(12.0).reshape(2, 6))  # never written into
+    assert all(torch.equal(v, w) for v, w in views)  # a view handed out earlier keeps its values
+    assert len(capacities) < 25  # ~600 rows appended one step at a time: a handful of reallocations
+    p = gp.get()
+    assert isinstance(p, Packed) and p.codes.dtype == torch.uint8 and torch.equal(p.mins.float(), -p.scales.float())
+    g.set(None)
+    assert g.get() is None and g.spare_bytes() == 0
+
+
+@pytest.mark.parametrize("mode", ["standalone", "omnikv", "snapkv"])
+def test_decode_steps_append_in_place_and_spare_capacity_is_reported_beside_kr(tiny_model, mode):
+    model = tiny_model
+    extra = {} if mode == "standalone" else dict(select_budget=30, n_recent=4)
+    cfg = ResidualKVConfig(full_attention_layers=(1,), stride=3, n_sink=2, mode=mode, **extra)
+    cache = ResidualKVCache.from_model(model, _codec(model, cfg), cfg)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+        tok = ids[:, -1:]
+        code_caps, kivi_caps = set(), set()
+        for _ in range(60):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            store = cache.layers[0].stores[0]
+            store = getattr(store, "stores", [store])[0]  # SnapKV: one store per row
+            code_caps.add(store._codes.bufs[0].shape[1])  # a reallocation always grows the capacity
+            kivi_caps.add(cache.layers[1].stores[0]._vq.bufs[0].shape[2])
+    # 60 steps on a 120-token prompt: the codes and the KIVI values reallocate a few times, not per step
+    assert len(code_caps) <= 3 and len(kivi_caps) <= 3, (code_caps, kivi_caps)
+    rep = accounting.report(cache)
+    assert 0 < rep["spare_bytes"] <= rep["total_bytes"] / 8 + 64 * 1024
+    assert rep["kr_allocated"] == pytest.approx((rep["total_bytes"] + rep["spare_bytes"]) / rep["fp16_bytes"])
+    # spare room is not stored data: KR counts the stored bytes only
+    assert rep["kr_measured"] == rep["total_bytes"] / rep["fp16_bytes"] < rep["kr_allocated"]

@@ -335,6 +335,7 @@ KIVI_CASES = [  # B, H, Hq, D, writes
     (2, 2, 2, 32, [7]),
     (1, 2, 8, 32, [33, 1, 1, 30]),  # prefill then decode steps; GQA 4
     (2, 1, 2, 32, [64]),  # whole groups, empty window
+    (2, 2, 4, 32, [40, 30, 64, 1, 33]),  # groups appended in place: every (b, h) strided past its spare room
 ]
 
 
