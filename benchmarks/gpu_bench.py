@@ -892,6 +892,17 @@ def main() -> int:
               f"{r['reference_dequant_sdpa_ms']:.4f} ms, bf16 SDPA {r['fp16_sdpa_ms']:.4f} ms "
               f"(fused/bf16 speed x{r['fused_vs_fp16_speed']})", flush=True)
 
+    print(f"[{budget.elapsed():6.1f}s] a decode step's append: torch.cat vs in place ...", flush=True)
+    from benchmarks.append_cost import run_shape as append_cost
+
+    report["append_cost"] = [append_cost("llama-3.1-8b", n, 20 if quick else 100, dev)
+                             for n in ([1024] if quick else contexts[:3])]
+    for r in report["append_cost"]:
+        print(f"  n={r['tokens']:>7}: cat {r['cat']['mean_ms_per_layer_step']:.4f} ms, in place "
+              f"{r['growing']['mean_ms_per_layer_step']:.4f} ms per layer-step "
+              f"(x{r['mean_time_ratio_cat_over_growing']:.0f}; {r['cat']['bytes_copied_per_layer_step'] / 1e6:.1f} MB "
+              f"vs {r['growing']['bytes_copied_per_layer_step'] / 1e6:.3f} MB copied)", flush=True)
+
     print(f"[{budget.elapsed():6.1f}s] decode tokens/s ...", flush=True)
     decode_rows, meta = decode_benchmarks(dev, quick, budget, contexts, batches)
     report["decode"], report["decode_model"] = decode_rows, meta
