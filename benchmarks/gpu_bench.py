@@ -99,7 +99,8 @@ from kernels.topk_l2 import bytes_read as topk_bytes  # noqa: E402
 from kernels.topk_l2 import topk_l2  # noqa: E402
 from residualkv import config as rkv_config  # noqa: E402
 from residualkv.backbones import get_backbone  # noqa: E402
-from residualkv.cache import KiviStore, ResidualKVCache, ResidualStore  # noqa: E402
+from residualkv.cache import ResidualKVCache  # noqa: E402
+from residualkv.stores import KiviStore, ResidualStore  # noqa: E402
 from residualkv.codec import LayerCodec, ResidualCodec  # noqa: E402
 from residualkv.config import CodecDims, ResidualKVConfig  # noqa: E402
 from residualkv.quant import Packed, decode_ref, encode_ref, quantize  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from residualkv import cache as cache_mod  # noqa: E402
+from residualkv import stores as stores_mod  # noqa: E402
 from residualkv import codec as codec_mod  # noqa: E402
 from residualkv.codec import parse_layers  # noqa: E402
 from residualkv.cli import main as rkv_main  # noqa: E402
@@ -44,7 +44,7 @@ def _install(keep, overlay, layers: set[int] | None = None) -> None:
     """Patch ResidualStore: keep(store, kv, reconstruction, n_before, refs_before) edits what a write returns
     and holds the exact part beside the store; overlay(store, history) writes it over every read. With
     `layers`, only the stores of those layers are patched (a LayerCodec learns its id at construction)."""
-    store = cache_mod.ResidualStore
+    store = stores_mod.ResidualStore
     write, read = store.write, store.read
     codec_init = codec_mod.ResidualCodec.__init__
 
@@ -70,7 +70,7 @@ def _install(keep, overlay, layers: set[int] | None = None) -> None:
         out = read(self, None)
         if out.numel() and probed(self):
             overlay(self, out)
-        return out if rope is None else cache_mod._rotate_rest(out, rope, None)
+        return out if rope is None else stores_mod._rotate_rest(out, rope, None)
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("kv_half_probe diagnoses standalone reads only (no OmniKV/SnapKV selection)")

@@ -20,7 +20,7 @@ def capture_launches(full: bool = True) -> list[tuple[str, object, tuple, dict]]
 
     full=False keeps one variant per kernel - the deployment one (bf16 model, 2-bit packing, the
     most involved) - for a faster check."""
-    from residualkv.cache import KiviStore
+    from residualkv.stores import KiviStore
     from residualkv.codec import LayerCodec
     from residualkv.config import CodecDims, ResidualKVConfig
     from residualkv.quant import encode_ref, quantize

@@ -5,7 +5,7 @@ Reference: `KiviStore.read(dtype)` (dequantise the whole history to floats) foll
 that materialisation as why quantised ResidualKV decodes slower than unquantised; the kernel reads
 the packed bytes and never writes the FP16 history anywhere.
 
-Storage (see `residualkv.cache.KiviStore`), per batch row b and KV head h:
+Storage (see `residualkv.stores.KiviStore`), per batch row b and KV head h:
   keys    codes [B, H, G, D, g·bits/8], mins/scales [B, H, G, D, 1]: channel d of token group G
           (g = full_group_size consecutive tokens) is one quantisation group along the tokens
   values  codes [B, H, n_q, D·bits/8], mins/scales [B, H, n_q, D/gv]: per token, groups along D

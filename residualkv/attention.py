@@ -50,7 +50,8 @@ from transformers.modeling_utils import AttentionInterface
 from kernels.kivi_attention import kivi_decode_attention
 from kernels._common import use_triton
 
-from .cache import KiviLayer, ResidualLayer, RowLayout, _RowStores
+from .cache import KiviLayer, ResidualLayer, RowLayout
+from .stores import RowStores
 
 ATTN_IMPLEMENTATION = "residualkv_sparse"
 
@@ -245,8 +246,8 @@ class SparseController:
             keep = torch.cat([chosen, window], dim=1)
             store = layer.stores[gi]
             if store.refs.shape[0] > 1:
-                store = layer.stores[gi] = _RowStores(store.split_rows())
-            for i, one in enumerate(store.stores if isinstance(store, _RowStores) else [store]):
+                store = layer.stores[gi] = RowStores(store.split_rows())
+            for i, one in enumerate(store.stores if isinstance(store, RowStores) else [store]):
                 for key, val in one.evict(keep[i]).items():
                     counts[key] += val
         if counts["evicted_refs"] + counts["evicted_codes"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import accounting
-from .backbones import get_backbone, load_backbone
+from .backbones import load_backbone
 from .codec import CodecError, ResidualCodec
 from .config import ConfigError, ResidualKVConfig, load_codec_defaults
 from .methods import METHODS, build_cache, get_method

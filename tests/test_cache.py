@@ -296,7 +296,7 @@ def test_recent_window_holds_the_newest_tokens_exact_and_codes_the_rest_as_witho
     """With recent_window W, the newest W tokens are held in FP16 and each is coded when it leaves: the
     coded bytes are those of a store without a window (fed the same FP16 values), however the writes
     are chunked; reads return the window exact; the bytes list the window."""
-    from residualkv.cache import ResidualStore
+    from residualkv.stores import ResidualStore
     from residualkv.schedule import ReferenceSchedule
 
     cfg = ResidualKVConfig(stride=4, n_sink=2, kernel_impl="torch")

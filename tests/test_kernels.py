@@ -32,7 +32,7 @@ from kernels.reconstruct import (reconstruct_selected, reconstruct_selected_refe
                                  rope_params)
 from kernels.topk_l2 import topk_l2  # noqa: E402
 from residualkv import quant  # noqa: E402
-from residualkv.cache import KiviStore, ResidualStore  # noqa: E402
+from residualkv.stores import KiviStore, ResidualStore  # noqa: E402
 from residualkv.codec import LayerCodec  # noqa: E402
 from residualkv.config import CodecDims, ResidualKVConfig  # noqa: E402
 from residualkv.quant import decode_ref, encode_ref  # noqa: E402
@@ -479,7 +479,7 @@ def _filled_stores(d_kv: int, seed: int, window: int = 0) -> dict[str, ResidualS
 def test_decode_step_write_decodes_only_the_references_its_mean_uses(monkeypatch):
     """On the kernels a one-token write reads the references' bytes for its top-k search and decodes
     only the k it averages: nothing in a decode step's write grows with the reference history."""
-    import residualkv.cache as cache_mod
+    import residualkv.stores as stores_mod
 
     stores = _filled_stores(384, seed=5)
     decoded_rows = []
@@ -488,7 +488,7 @@ def test_decode_step_write_decodes_only_the_references_its_mean_uses(monkeypatch
         decoded_rows.append(stored.numel() // stored.shape[-1])
         return decode_ref(stored, fmt, dtype)
 
-    monkeypatch.setattr(cache_mod, "decode_ref", counting)
+    monkeypatch.setattr(stores_mod, "decode_ref", counting)
     new = _randn(2, 1, 384, seed=9).cpu()  # ordinal 37: a code under stride 4 after 2 sinks
     outs = {}
     for impl, store in stores.items():

@@ -516,7 +516,7 @@ def test_weighted_pca_value_weight_moves_the_code_to_the_values():
 def test_fisher_pca_init_fits_the_encoder_and_beats_the_random_codec(tmp_path, packed):
     from residualkv.schedule import ReferenceSchedule
     from residualkv.training.warmstart import capture_kv, fisher_pca_init
-    from residualkv.cache import ResidualStore
+    from residualkv.stores import ResidualStore
 
     model = tiny_model()
     freeze_backbone(model)

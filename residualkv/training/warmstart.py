@@ -28,10 +28,9 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..cache import ResidualStore, flat_heads
+from ..stores import ResidualStore, flat_heads
 from ..codec import LayerCodec, ResidualCodec
 from ..config import CodecDims
 from ..rope import RopeTable, invert_rope

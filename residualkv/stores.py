@@ -1,0 +1,585 @@
+"""The bytes of the ResidualKV cache: one store per layer and row group (seed §2.1–2.7).
+
+`ResidualStore` (compressed layers) keeps, per token, either an FP8 reference or a packed b-bit latent
+code plus the indices of the k references it was encoded against, and reconstructs all of its tokens
+(`read`) or only some (`read_selected`, OmniKV), or evicts them for good (`evict`, SnapKV).
+`KiviStore` (full-attention layers) keeps KIVI-style 4-bit keys (per channel) and values (per token)
+with a short FP16 window. `DenseStore` keeps exact keys and values (the OmniKV-on-FP16 baseline).
+Nothing is kept as floats but the FP16 windows, and the stored tensors grow in place
+(residualkv.growing). Tokens are addressed by their ordinal within the group's rows (0 = the first
+real token); `residualkv.cache` maps the model's slots onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codec import LayerCodec
+from .config import ResidualKVConfig
+from .growing import Growing, grown
+from .quant import Packed, decode_ref, dequantize, encode_ref, quantize
+from .retrieval import mean_of_refs
+from .rope import apply_rope
+from .schedule import ReferenceSchedule
+
+# the Triton kernels for the hot paths; each runs its torch reference (the code in this file) unless
+# cfg.kernel_impl and the tensors' device say otherwise
+from kernels import quantize_pack, reconstruct_selected, topk_l2
+from kernels.reconstruct import fused_group_ok
+from kernels._common import use_triton
+
+
+Rope = tuple  # (cos [B, n, D], sin [B, n, D], number of KV heads H): RoPE at the positions of the tokens read
+
+
+def _rotate_rest(kv: torch.Tensor, rope: Rope, rotated: torch.Tensor | None):
+    """Flat kv [B, n, 2·d_k] -> K, V [B, H, n, D], applying RoPE to the keys of the tokens not yet
+    rotated (`rotated` [B, n] bool marks those the fused kernel already rotated; None = none)."""
+    cos, sin, H = rope
+    k, v = unflat_heads(kv, H, kv.shape[-1] // (2 * H))
+    if rotated is None:
+        return apply_rope(k, cos, sin), v
+    k = k.clone()
+    todo = ~rotated
+    rows = k.transpose(1, 2)[todo]  # [N, H, D]: the keys still pre-RoPE, each as a one-token sequence
+    k.transpose(1, 2)[todo] = apply_rope(rows[:, :, None], cos[todo][:, None], sin[todo][:, None])[:, :, 0]
+    return k, v
+
+
+def _row_rope(rope: Rope | None, i: int) -> Rope | None:
+    return None if rope is None else (rope[0][i : i + 1], rope[1][i : i + 1], rope[2])
+
+
+def _stack(parts: list):
+    """Per-row reads (flat tensors, or (K, V) pairs) -> one batch."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
+def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new], dim=dim)
+
+
+def nbytes_of(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class ResidualStore:
+    """References + packed latent residual codes for one layer and one row group, in ordinal order."""
+
+    # grown in place along the token axis (residualkv.growing): a step appends, it does not copy
+    refs = grown("_refs")  # [B, R, d] uint8 (fp8 bytes) or fp16
+    codes = grown("_codes")  # Packed, fields [B, C, ...]
+    ref_idx = grown("_ref_idx")  # [B, C, k] int16 (int32 past 32767 refs), -1 = unused
+    # After a SnapKV eviction (`evict`, one row per store) the kept tokens are no longer every
+    # ordinal: their ordinals are listed, and references kept only because codes need them are
+    # hidden from attention. None = the dense layout (ordinal i is token i, refs from the schedule).
+    ref_ord = grown("_ref_ord")  # [R] int32 ordinals of the kept references
+    code_ord = grown("_code_ord")  # [C] int32 ordinals of the kept codes
+    ref_visible = grown("_ref_visible")  # [R] bool: the reference takes part in attention
+
+    def __init__(self, codec: LayerCodec, cfg: ResidualKVConfig, schedule: ReferenceSchedule):
+        self.codec, self.cfg, self.schedule = codec, cfg, schedule
+        self.n_coded = 0  # ordinals 0..n_coded-1 are coded (references + codes)
+        # cfg.recent_window > 0: the newest tokens wait here exact, and are coded as they leave it, so
+        # the coded bytes are the ones an unwindowed store would hold (references strictly before a
+        # token are all coded by then); ordinals n_coded..n-1
+        self.win: torch.Tensor | None = None  # [B, w, d] fp16 pre-RoPE keys ‖ values
+        self._refs, self._codes, self._ref_idx = Growing(dim=1), Growing(dim=1), Growing(dim=1)
+        self._ref_ord, self._code_ord, self._ref_visible = Growing(dim=0), Growing(dim=0), Growing(dim=0)
+        self.evicted_refs = 0
+        self.evicted_codes = 0
+        # instrumentation (what reads really reconstructed): latent codes decoded, references read
+        self.codes_decoded = 0
+        self.refs_decoded = 0
+        self._layout: tuple | None = None  # cached (n, is_ref [n], ref ordinals [R]) of the schedule
+        # training only (ResidualKVCache.keep_grad_history): the differentiable reconstructions `write`
+        # returned, read back in place of decoding the stored (detached) bytes so that a later call's
+        # loss reaches the encoder too; equal to the decoded bytes up to float rounding
+        self.keep_grad = False
+        self.grad_history: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        """Tokens held (ordinals): the coded ones, then the recent window's."""
+        return self.n_coded + self.n_win
+
+    @property
+    def n_win(self) -> int:
+        return 0 if self.win is None else self.win.shape[1]
+
+    @property
+    def n_refs(self) -> int:
+        return 0 if self.refs is None else self.refs.shape[1]
+
+    def decoded_refs(self) -> torch.Tensor | None:
+        return None if self.refs is None else decode_ref(self.refs, self.cfg.ref_format)
+
+    def write(self, kv: torch.Tensor) -> torch.Tensor:
+        """Store new tokens kv [B, T, 2·d_k] (pre-RoPE keys ‖ values); return their reconstruction.
+
+        The returned values equal what later reads decode from the stored bytes; gradients pass
+        straight through the FP8 and b-bit rounding so the same path trains the codec. With a recent
+        window, the newest `recent_window` tokens are held in FP16 and come back at that precision.
+        """
+        W = self.cfg.recent_window
+        if not W:
+            return self._code(kv)
+        held = self.n_win
+        self.win = _cat(self.win, kv.detach().to(torch.float16))
+        out = self.win[:, held:].float()
+        leaving = self.n_win - W
+        if leaving > 0:
+            coded = self._code(self.win[:, :leaving].float())
+            self.win = self.win[:, leaving:].contiguous()
+            mine = max(0, leaving - held)  # this write's own tokens among those just coded: its oldest ones
+            out[:, :mine] = coded[:, leaving - mine:]
+        return out
+
+    def _code(self, kv: torch.Tensor) -> torch.Tensor:
+        """Code tokens kv [B, T, 2·d_k] at ordinals n_coded.. (the paper's write); their reconstruction."""
+        cfg = self.cfg
+        B, T, d = kv.shape
+        kv = kv.float()
+        is_ref = self.schedule.is_ref(self.n_coded, self.n_coded + T).to(kv.device)
+        out = kv.new_empty(B, T, d)
+
+        new_refs = kv[:, is_ref]
+        stored = encode_ref(new_refs.detach(), cfg.ref_format)
+        refs_hat = new_refs + (decode_ref(stored, cfg.ref_format) - new_refs).detach()
+        out[:, is_ref] = refs_hat
+        r_old = self.n_refs
+        self._refs.append(stored)
+
+        is_code = ~is_ref
+        if bool(is_code.any()):
+            x = kv[:, is_code]
+            # references strictly before each token: the old ones plus those earlier in this chunk
+            n_avail = r_old + torch.cumsum(is_ref.long(), 0)[is_code]
+            # the search reads the stored bytes (the kernel decodes them in registers): a decode step
+            # must not decode, copy or convert the whole reference history
+            idx = topk_l2(x.detach(), self.refs, n_avail, cfg.k, ref_format=cfg.ref_format, impl=cfg.kernel_impl)
+            mean = self._mean_of_chosen(idx, refs_hat, r_old)
+            z = self.codec.encode(x, mean).float()
+            packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
+            z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
+            out[:, is_code] = self.codec.decode(z_hat).float() + mean
+            self._codes.append(packed)
+            idx_dtype = torch.int16 if self.n_refs <= torch.iinfo(torch.int16).max else torch.int32
+            if self.ref_idx is not None and self.ref_idx.dtype != idx_dtype:
+                self.ref_idx = self.ref_idx.to(idx_dtype)
+            self._ref_idx.append(idx.to(idx_dtype))
+        if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
+            new_ord = torch.arange(self.n_coded, self.n_coded + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
+            m = is_ref.to(new_ord.device)
+            self._ref_ord.append(new_ord[m])
+            self._ref_visible.append(m.new_ones(int(m.sum())))
+            self._code_ord.append(new_ord[~m])
+        if self.keep_grad:
+            self.grad_history = _cat(self.grad_history, out)
+        self.n_coded += T
+        return out
+
+    def _ref_table(self, b: torch.Tensor, r: torch.Tensor, fresh: torch.Tensor | None = None,
+                   r_old: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode each reference named by the pairs (b, r) once: (table [M, d] float32 in (row, reference)
+        order, the table row of each pair). References from `r_old` on are this write's, taken from `fresh`
+        [B, R_new, d], which carries the straight-through gradient; the rest come from their bytes."""
+        R = max(self.n_refs, 1)
+        rows, slot = torch.unique(b * R + r, return_inverse=True)
+        ub, ur = rows // R, rows % R
+        old = ur < (self.n_refs if r_old is None else r_old)
+        table = torch.empty(rows.numel(), self.refs.shape[-1], device=self.refs.device)
+        table[old] = decode_ref(self.refs[ub[old], ur[old]], self.cfg.ref_format)
+        if fresh is not None:
+            table[~old] = fresh[ub[~old], ur[~old] - r_old]
+        return table, slot
+
+    def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor, r_old: int) -> torch.Tensor:
+        """Mean of the references `idx` [B, T, k] (-1 = unused) picked for new tokens, decoding only those
+        (each once). Same rows in the same order as `mean_of_refs` over every reference, so the same bits."""
+        B, T, k = idx.shape
+        valid = idx >= 0
+        table, slot = self._ref_table(torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)[valid],
+                                      idx[valid], refs_hat, r_old)
+        local = torch.full_like(idx, -1)
+        local[valid] = slot
+        return mean_of_refs(table[None], local.reshape(1, B * T, k))[0].reshape(B, T, -1)
+
+    def read(self, rope: Rope | None = None):
+        """Reconstruct every stored token (after an eviction: every visible one): [B, n, 2·d_k] float32
+        pre-RoPE keys ‖ values; with `rope` = (cos, sin [B, n, D] of the tokens' positions, H heads), the
+        K, V [B, H, n, D] attention reads, keys rotated (on the kernel, inside the fused reconstruction)."""
+        cfg = self.cfg
+        if self.ref_ord is not None:
+            return self.read_selected(self.visible_ordinals(), rope)
+        if self.grad_history is not None:  # training: nothing decoded, the kept reconstruction is read
+            return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
+        if self.n == 0:
+            return torch.empty(0)
+        like = self.win if self.refs is None else self.refs
+        B, d, dev = like.shape[0], like.shape[-1], like.device
+        out = torch.empty(B, self.n, d, device=dev)
+        coded = torch.arange(self.n, device=dev) < self.n_coded
+        is_ref = self.schedule.is_ref(0, self.n).to(dev) & coded
+        is_code = ~is_ref & coded
+        if self.win is not None:
+            out[:, ~coded] = self.win.float()
+        rotated = None
+        if self.refs is not None:
+            refs = self.decoded_refs()
+            self.refs_decoded += refs.shape[0] * refs.shape[1]
+            out[:, is_ref] = refs
+        if self.codes is not None:
+            self.codes_decoded += self.codes.codes.shape[0] * self.codes.codes.shape[1]
+            if self._use_kernel():
+                C = self.codes.codes.shape[1]
+                sel = torch.arange(C, device=dev)[None].expand(B, C)
+                code_rope = None if rope is None else (rope[0][:, is_code], rope[1][:, is_code], rope[2])
+                out[:, is_code], fused = self._reconstruct_kernel(sel, code_rope)
+                rotated = is_code.expand(B, -1) if fused else None
+            else:
+                mean = mean_of_refs(refs, self.ref_idx.long())
+                z = dequantize(self.codes, cfg.bits, cfg.group_size)
+                out[:, is_code] = self.codec.decode(z).float() + mean
+        return out if rope is None else _rotate_rest(out, rope, rotated)
+
+    def _use_kernel(self) -> bool:
+        return use_triton(self.cfg.kernel_impl, self.refs) and fused_group_ok(self.cfg.group_size)
+
+    def _fuses_rope(self, heads: int) -> bool:
+        """The kernel rotates a key head in registers as two [n, D/2] halves: heads up to 128 wide."""
+        D = self.refs.shape[-1] // (2 * heads)
+        return D % 2 == 0 and D <= 128
+
+    def _reconstruct_kernel(self, sel: torch.Tensor, rope: Rope | None = None) -> tuple[torch.Tensor, bool]:
+        """Codes at `sel` [B, n] (indices along the codes, -1 = padding) -> (kv [B, n, 2·d_k], whether its
+        keys are rotated) via the fused gather + dequantise + W_d + mean-of-refs (+ RoPE) kernel. With `rope`
+        (cos, sin [B, n, D] at the selected codes, H heads) the keys come back rotated where the heads fit
+        the kernel's tile; otherwise pre-RoPE."""
+        cfg = self.cfg
+        half = self.refs.shape[-1] // 2
+        n = sel.shape[1]
+        fused = rope is not None and self._fuses_rope(rope[2])
+        if fused:
+            cos, sin, heads = rope
+        else:
+            # with the identity rotation any split of the features into "heads" returns the same flat rows:
+            # pick the fewest heads whose width stays within a 128-wide tile (the kernel's register budget)
+            heads = next(h for h in range(1, half + 1) if half % h == 0 and (half // h) % 2 == 0 and half // h <= 128)
+            cos = torch.ones(1, n, half // heads, device=sel.device)
+            sin = torch.zeros_like(cos)
+        k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, cos, sin,
+                                    bits=cfg.bits, group=cfg.group_size, num_kv_heads=heads, ref_format=cfg.ref_format,
+                                    impl=cfg.kernel_impl)
+        return torch.cat([flat_heads(k), flat_heads(v)], dim=-1), fused
+
+    # ---- selective reads (OmniKV) and eviction (SnapKV), seed §2.7 ----
+
+    def _schedule_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(is_ref [n] bool, reference ordinals [R] long) of the schedule over this store's coded ordinals."""
+        n = self.n_coded
+        if self._layout is None or self._layout[0] != n or self._layout[1].device != device:
+            self._layout = (n, self.schedule.is_ref(0, n).to(device), self.schedule.ref_ordinals(n).to(device))
+        return self._layout[1], self._layout[2]
+
+    def _locate(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coded ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes)."""
+        is_ref_of, sched_refs = self._schedule_layout(ordinals.device)
+        if bool(((ordinals < 0) | (ordinals >= self.n_coded)).any()):
+            raise IndexError(f"coded ordinals must lie in [0, {self.n_coded})")
+        is_ref = is_ref_of[ordinals]
+        if self.ref_ord is None:
+            ridx = torch.searchsorted(sched_refs, ordinals)
+            cidx = ordinals - ridx  # a code's index = its ordinal minus the references before it
+        else:
+            ref_ord, code_ord = self.ref_ord.long(), self.code_ord.long()
+            ridx = torch.searchsorted(ref_ord, ordinals).clamp(max=max(len(ref_ord) - 1, 0))
+            cidx = torch.searchsorted(code_ord, ordinals).clamp(max=max(len(code_ord) - 1, 0))
+            found = torch.where(is_ref, ref_ord[ridx] if len(ref_ord) else ordinals + 1,
+                                code_ord[cidx] if len(code_ord) else ordinals + 1) == ordinals
+            if not bool(found.all()):
+                raise IndexError("asked for a token that SnapKV evicted: eviction is irreversible")
+        return is_ref, torch.where(is_ref, ridx, cidx)
+
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None):
+        """Reconstruct only the tokens at `ordinals` [B, S] (each row its own ordinals): selected
+        references are read as references; selected codes are dequantised and decoded, and only the
+        references their means need are read (each needed reference once). Returns [B, S, 2·d_k]
+        float32, equal to the same columns of `read()`; with `rope` (cos, sin [B, S, D], H), K, V
+        [B, H, S, D] with the keys rotated, as `read` does."""
+        cfg = self.cfg
+        B, S = ordinals.shape
+        like = self.refs if self.refs is not None else self.win
+        if like is None or S == 0:
+            out = torch.zeros(B, S, self.codec.dims.d_kv, device=ordinals.device)
+            return out if rope is None else _rotate_rest(out, rope, None)
+        dev = like.device
+        ordinals = ordinals.to(device=dev, dtype=torch.long)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, S)
+        in_win = ordinals >= self.n_coded
+        if bool((ordinals >= self.n).any()):
+            raise IndexError(f"ordinals must lie in [0, {self.n})")
+        is_ref = torch.zeros_like(in_win)
+        pos = torch.zeros_like(ordinals)
+        if not bool(in_win.all()):
+            is_ref[~in_win], pos[~in_win] = (t[0] for t in self._locate(ordinals[~in_win][None]))
+        is_code = ~is_ref & ~in_win
+        out = torch.empty(B, S, like.shape[-1], device=dev)
+        if self.win is not None:
+            out[in_win] = self.win[rows[in_win], ordinals[in_win] - self.n_coded].float()
+        rb, rp = rows[is_ref], pos[is_ref]
+        cb, cp = rows[is_code], pos[is_code]
+        rotated = None
+        if rb.numel() or cb.numel():
+            # which references are read: the selected ones and those the selected codes average, each once
+            idx = self.ref_idx[cb, cp].long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
+            ok = idx >= 0
+            table, slot = self._ref_table(torch.cat([rb, cb[:, None].expand_as(idx)[ok]]), torch.cat([rp, idx[ok]]))
+            self.refs_decoded += int(table.shape[0])
+            out[is_ref] = table[slot[: rb.numel()]]
+        if cb.numel() and self._use_kernel():
+            # per row, its selected codes in order: rank of each within its row, padded with -1
+            rank = torch.cumsum(is_code, dim=1) - 1
+            sel = torch.full((B, int(is_code.sum(1).max())), -1, dtype=torch.long, device=dev)
+            sel[cb, rank[is_code]] = cp
+            code_rope = None
+            if rope is not None:  # cos/sin in the same ragged layout as sel (padding rows: zeros)
+                cos = rope[0].new_zeros(B, sel.shape[1], rope[0].shape[-1])
+                sin = torch.zeros_like(cos)
+                cos[cb, rank[is_code]], sin[cb, rank[is_code]] = rope[0][is_code], rope[1][is_code]
+                code_rope = (cos, sin, rope[2])
+            kv, fused = self._reconstruct_kernel(sel, code_rope)
+            out[is_code] = kv[cb, rank[is_code]]
+            rotated = is_code if fused else None
+            self.codes_decoded += int(cb.numel())
+        elif cb.numel():
+            mean_idx = torch.full_like(idx, -1)
+            mean_idx[ok] = slot[rb.numel():]
+            mean = mean_of_refs(table[None], mean_idx[None])[0]
+            c = self.codes
+            z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
+            out[is_code] = self.codec.decode(z).float() + mean
+            self.codes_decoded += int(cb.numel())
+        return out if rope is None else _rotate_rest(out, rope, rotated)
+
+    def visible_ordinals(self) -> torch.Tensor:
+        """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
+        like = self.refs if self.refs is not None else self.win
+        if self.ref_ord is None:
+            B = like.shape[0] if like is not None else 1
+            return torch.arange(self.n, device=like.device if like is not None else None).expand(B, self.n)
+        window = torch.arange(self.n_coded, self.n, device=self.ref_ord.device)
+        vis = torch.cat([self.ref_ord[self.ref_visible].long(), self.code_ord.long()]).sort().values
+        return torch.cat([vis, window])[None]
+
+    def split_rows(self) -> list["ResidualStore"]:
+        """One store per batch row (eviction keeps different tokens in different rows)."""
+        out = []
+        for b in range(self.refs.shape[0]):
+            s = ResidualStore(self.codec, self.cfg, self.schedule)
+            s.n_coded = self.n_coded
+            s.refs = self.refs[b : b + 1].clone()
+            s.win = None if self.win is None else self.win[b : b + 1].clone()
+            if self.codes is not None:
+                s.codes = Packed(*(t[b : b + 1].clone() for t in self.codes))
+                s.ref_idx = self.ref_idx[b : b + 1].clone()
+            for name in ("ref_ord", "code_ord", "ref_visible"):
+                setattr(s, name, getattr(self, name))
+            out.append(s)
+        return out
+
+    def evict(self, keep: torch.Tensor) -> dict[str, int]:
+        """SnapKV eviction of a one-row store (seed §2.7): keep the tokens at ordinals `keep` and the
+        references their codes need (kept, hidden from attention); free everything else. Irreversible.
+        The recent window (exact, not yet coded) is kept whole, whatever `keep` says of it."""
+        if self.refs is None or self.refs.shape[0] != 1:
+            raise ValueError("evict() works on one row: split a batch store with split_rows() first")
+        if self.ref_ord is not None:
+            raise ValueError("this store was already evicted once; SnapKV evicts once, after the prompt")
+        dev = self.refs.device
+        keep = torch.unique(keep.to(device=dev, dtype=torch.long))
+        keep = keep[keep < self.n_coded]
+        is_ref, pos = self._locate(keep[None])
+        is_ref, pos = is_ref[0], pos[0]
+        _, sched_refs = self._schedule_layout(dev)
+        R = self.n_refs
+        C = 0 if self.codes is None else self.codes.codes.shape[1]
+        visible = torch.zeros(R, dtype=torch.bool, device=dev)
+        visible[pos[is_ref]] = True
+        kept_refs = visible.clone()
+        code_pos = pos[~is_ref]
+        if C:
+            idx = self.ref_idx[0, code_pos].long()
+            kept_refs[idx[idx >= 0]] = True
+            remap = torch.where(kept_refs, torch.cumsum(kept_refs.long(), 0) - 1, -1)
+            new_idx = torch.where(idx >= 0, remap[idx.clamp(min=0)], -1)
+            if bool((new_idx[idx >= 0] < 0).any()):  # cannot happen: every needed reference is kept
+                raise RuntimeError("eviction would leave a code pointing at an evicted reference")
+            self.codes = Packed(*(t[:, code_pos] for t in self.codes))
+            self.ref_idx = new_idx[None].to(self.ref_idx.dtype)
+        self.refs = self.refs[:, kept_refs]
+        self.ref_ord = sched_refs[kept_refs].to(torch.int32)
+        self.ref_visible = visible[kept_refs]
+        self.code_ord = keep[~is_ref].to(torch.int32)
+        self.evicted_refs = R - int(kept_refs.sum())
+        self.evicted_codes = C - int(code_pos.numel())
+        return {"evicted_refs": self.evicted_refs, "evicted_codes": self.evicted_codes,
+                "hidden_refs": int(kept_refs.sum() - visible.sum())}
+
+    def nbytes(self) -> dict[str, int]:
+        c = self.codes
+        out = {
+            "references": nbytes_of(self.refs),
+            "latent_codes": nbytes_of(c.codes) if c else 0,
+            "latent_mins_scales": nbytes_of(c.mins, c.scales) if c else 0,
+            "reference_indices": nbytes_of(self.ref_idx),
+            "recent_window_fp16": nbytes_of(self.win),
+        }
+        if self.ref_ord is not None:
+            out["eviction_ordinals"] = nbytes_of(self.ref_ord, self.code_ord, self.ref_visible)
+        return out
+
+    def spare_bytes(self) -> int:
+        return sum(g.spare_bytes() for g in (self._refs, self._codes, self._ref_idx, self._ref_ord, self._code_ord,
+                                             self._ref_visible))
+
+
+class RowStores:
+    """One ResidualStore per row of a group, after SnapKV kept different tokens in each row. Every row
+    keeps the same number of visible tokens, so their reads stack into one batch."""
+
+    def __init__(self, stores: list[ResidualStore]):
+        self.stores = stores
+
+    n = property(lambda self: self.stores[0].n)
+    codes_decoded = property(lambda self: sum(s.codes_decoded for s in self.stores))
+    refs_decoded = property(lambda self: sum(s.refs_decoded for s in self.stores))
+    evicted_refs = property(lambda self: sum(s.evicted_refs for s in self.stores))
+    evicted_codes = property(lambda self: sum(s.evicted_codes for s in self.stores))
+
+    def write(self, kv: torch.Tensor) -> torch.Tensor:
+        return torch.cat([s.write(kv[i : i + 1]) for i, s in enumerate(self.stores)])
+
+    def read(self, rope: Rope | None = None):
+        return _stack([s.read(_row_rope(rope, i)) for i, s in enumerate(self.stores)])
+
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None):
+        return _stack([s.read_selected(ordinals[i : i + 1], _row_rope(rope, i)) for i, s in enumerate(self.stores)])
+
+    def visible_ordinals(self) -> torch.Tensor:
+        return torch.cat([s.visible_ordinals() for s in self.stores])
+
+    def nbytes(self) -> dict[str, int]:
+        return sum_bytes(s.nbytes() for s in self.stores)
+
+    def spare_bytes(self) -> int:
+        return sum(s.spare_bytes() for s in self.stores)
+
+
+class KiviStore:
+    """KIVI-style full-attention layer: keys quantised per channel over groups of tokens, values per
+    token; the newest tokens wait in an FP16 window until a whole group can be quantised. The window
+    is never emptied, so the token a step writes is read back exact (new_kv "exact") on every path,
+    the fused decode attention included, which reads only the stores."""
+
+    kq = grown("_kq")  # Packed, fields [B, H, G, D, ...]: per-channel groups of tokens
+    vq = grown("_vq")  # Packed, fields [B, H, n_q, ...]: per-token groups of channels
+
+    def __init__(self, cfg: ResidualKVConfig):
+        self.cfg = cfg
+        self.n = 0
+        self._kq, self._vq = Growing(dim=2), Growing(dim=2)
+        self.win_k: torch.Tensor | None = None  # [B, H, w, D] fp16
+        self.win_v: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        cfg, g = self.cfg, self.cfg.full_group_size
+        self.win_k = _cat(self.win_k, k.detach().to(torch.float16), dim=2)
+        self.win_v = _cat(self.win_v, v.detach().to(torch.float16), dim=2)
+        self.n += k.shape[2]
+        w = self.win_k.shape[2]
+        if w <= cfg.full_window:
+            return
+        m = ((w - cfg.full_window - 1) // g + 1) * g  # leaves between window-g+1 and window tokens in FP16
+        fk, fv = self.win_k[:, :, :m].float(), self.win_v[:, :, :m].float()
+        self.win_k, self.win_v = self.win_k[:, :, m:].contiguous(), self.win_v[:, :, m:].contiguous()
+        B, H, _, D = fk.shape
+        kq = quantize(fk.reshape(B, H, m // g, g, D).transpose(-1, -2), cfg.full_bits, g)
+        vq = quantize(fv, cfg.full_bits, self.value_group(D))
+        self._kq.append(kq)
+        self._vq.append(vq)
+
+    def value_group(self, head_dim: int) -> int:
+        """Values are grouped along head_dim; a head smaller than a group is one group."""
+        return min(self.cfg.full_group_size, head_dim)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        ks, vs = [], []
+        if self.kq is not None:
+            k = dequantize(self.kq, cfg.full_bits, cfg.full_group_size)  # [B, H, G, D, g]
+            B, H, G, D, g = k.shape
+            ks.append(k.transpose(-1, -2).reshape(B, H, G * g, D))
+            vs.append(dequantize(self.vq, cfg.full_bits, self.value_group(D)))
+        ks.append(self.win_k.float())
+        vs.append(self.win_v.float())
+        return torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype)
+
+    def nbytes(self) -> dict[str, int]:
+        return {
+            "full_layer_codes": nbytes_of(self.kq.codes, self.vq.codes) if self.kq else 0,
+            "full_layer_mins_scales": nbytes_of(self.kq.mins, self.kq.scales, self.vq.mins, self.vq.scales) if self.kq else 0,
+            "full_layer_window_fp16": nbytes_of(self.win_k, self.win_v),
+        }
+
+    def spare_bytes(self) -> int:
+        return self._kq.spare_bytes() + self._vq.spare_bytes()
+
+
+class DenseStore:
+    """Exact keys and values of one row group (the model's dtype; accounted as FP16): OmniKV's baseline."""
+
+    k = grown("_k")  # [B, H, n, D]
+    v = grown("_v")
+
+    def __init__(self):
+        self.n = 0
+        self._k, self._v = Growing(dim=2), Growing(dim=2)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._k.append(k.detach())
+        self._v.append(v.detach())
+        self.n += k.shape[2]
+
+    def read_selected(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, _, D = self.k.shape
+        idx = ordinals.to(device=self.k.device, dtype=torch.long)[:, None, :, None]
+        return (self.k.gather(2, idx.expand(B, H, -1, D)), self.v.gather(2, idx.expand(B, H, -1, self.v.shape[-1])))
+
+    def nbytes(self) -> dict[str, int]:
+        return {"kv_fp16": 0 if self.k is None else (self.k.numel() + self.v.numel()) * 2}
+
+    def spare_bytes(self) -> int:
+        return self._k.spare_bytes() + self._v.spare_bytes()
+
+
+def flat_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [B, T, H·D]"""
+    B, H, T, D = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * D)
+
+
+def unflat_heads(kv: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, _ = kv.shape
+    k, v = kv.split(H * D, dim=-1)
+    return k.reshape(B, T, H, D).transpose(1, 2), v.reshape(B, T, H, D).transpose(1, 2)
+
+
+def sum_bytes(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
