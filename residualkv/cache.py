@@ -395,14 +395,15 @@ class ResidualKVCache(Cache):
         """An independent copy of the stored tokens that reads them under other read settings (`mode`
         "standalone"/"omnikv", selection budget...): one prefill, several deployments side by side.
         Bytes are copied; the codec and RoPE modules are shared. SnapKV evicts during the prompt, so
-        forking into or out of it is refused, as are changes to how tokens are stored."""
+        forking into or out of it is refused (a SnapKV cache forks into a copy of itself, survivors and
+        all), as are changes to how tokens are stored."""
         import copy
 
         bad = set(changes) - set(self.READ_FIELDS)
         if bad:
             raise ValueError(f"fork() changes only read settings {self.READ_FIELDS}, not {sorted(bad)}")
         cfg = self.config.replace(**changes)
-        if "snapkv" in (cfg.mode, self.config.mode):
+        if "snapkv" in (cfg.mode, self.config.mode) and cfg.mode != self.config.mode:
             raise ValueError("SnapKV eviction happens during the prompt: build a snapkv cache and prefill it")
         memo = {id(m): m for m in (self.codec.modules() if self.codec is not None else [])}
         for layer in self.layers:
@@ -415,6 +416,8 @@ class ResidualKVCache(Cache):
             self.sparse, self.fused_full = sparse, fused
         new.config = cfg
         new.sparse = _controller(new)
+        if cfg.mode == "snapkv" and sparse is not None:  # the evicted layers go on reading their survivors only
+            new.sparse.evicted = copy.deepcopy(sparse.evicted)
         new.fused_full = type(fused)(new) if fused is not None else None
         return new
 

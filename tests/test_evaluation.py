@@ -619,3 +619,68 @@ def test_recent_window_variants(tiny_lm):
         tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
     rep = measure(cache)
     assert rep["bytes"]["recent_window_fp16"] > 0 and rep["gap"]["recent_window_fp16"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the gold answer's NLL, teacher-forced through each cache
+
+
+def test_gold_answer_ids_join_every_answer_and_follow_the_prompt(tok):
+    from residualkv.evaluation.samples import gold_answer_ids
+
+    all_ = Sample(id="a", task="t", context="c", question="q", answers=["123", " 456"], answer_prefix="The numbers are")
+    any_ = Sample(id="b", task="t", context="c", question="q", answers=["Paris", "paris, France"], metric="any")
+    assert tok.decode(gold_answer_ids(tok, all_)) == " 123, 456"  # after "...are": a space, every answer
+    assert prompt_text(tok, any_).endswith("\n")  # SmolLM2's chat template ends the prompt on a newline
+    assert tok.decode(gold_answer_ids(tok, any_)) == "Paris"  # no space after it, the first alternative only
+
+
+def test_answer_nll_is_the_teacher_forced_nll_and_leaves_generation_unchanged(tiny_lm, tok):
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ResidualKVConfig
+    from residualkv.evaluation.samples import gold_answer_ids
+
+    base = ResidualKVConfig(full_attention_layers=(0,), select_budget=16, n_recent=4, n_sink=2)
+    codec = ResidualCodec.for_model(tiny_lm.config, base, d_c=32, d_ff=64)
+    samples = [Sample(id=f"s{i}", task=t, context=f"The code is {i}{i}7. " + "Filler text here. " * 30,
+                      question="Code?", answers=[f"{i}{i}7", "x"], max_new_tokens=4)
+               for i, t in enumerate(["a", "a", "b", "b"])]
+    methods = ["residualkv-standalone", "residualkv", "residualkv-snapkv", "snapkv", "kivi2", "omnikv"]
+    on = evaluate(tiny_lm, tok, methods, codec, base, samples=samples, context_len=None, ppl_tokens=0,
+                  out_dir=None, progress=False)
+    off = evaluate(tiny_lm, tok, methods, codec, base, samples=samples, context_len=None, ppl_tokens=0,
+                   progress=False, score_answers=False)
+    for a, b in zip(on, off):  # the scoring reads a snapshot: every method generates exactly as without it
+        assert (a["method"], a["tasks"], a["kr_measured"], a["cr"]) == (b["method"], b["tasks"], b["kr_measured"], b["cr"])
+        assert b["answer_nll"] is None and a["answer_nll"] > 0, a["method"]
+    by = {r["method"]: r for r in on}
+    assert by["full"]["answer_nll_delta"] == 0.0 and by["full"]["answer_nll_delta_ci"] is None
+    for m in methods:
+        lo, hi = by[m]["answer_nll_delta_ci"]  # 2 samples per task: an interval
+        assert lo <= by[m]["answer_nll_delta"] <= hi, m
+    # the full cache's value is the NLL of the answer tokens in one dense forward over prompt + answer
+    nlls = []
+    for s in samples:
+        ids, gold = encode_prompt(tok, s), gold_answer_ids(tok, s)
+        with torch.no_grad():
+            logits = tiny_lm(torch.tensor([ids + gold])).logits[0, len(ids) - 1 : -1].float()
+        nlls.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(gold))))
+    assert by["full"]["answer_nll"] == pytest.approx(((nlls[0] + nlls[1]) / 2 + (nlls[2] + nlls[3]) / 2) / 2, rel=1e-4)
+
+
+def test_mean_difference_by_hand():
+    from residualkv.evaluation.harness import sample_key
+    from residualkv.evaluation.stats import mean_difference
+
+    recs = []
+    for i, (t, a, b) in enumerate([("x", 1.0, 0.5), ("x", 2.0, 1.0), ("y", 3.0, 3.0), ("y", 1.0, 2.0)]):
+        for m, v in (("A", a), ("B", b)):
+            recs.append({"method": m, "id": str(i), "task": t, "answers": ["1"], "context_len": 8, "seed": 0,
+                         "answer_nll": v})
+    recs.append({"method": "A", "id": "9", "task": "y", "answers": ["1"], "context_len": 8, "seed": 0,
+                 "answer_nll": 5.0})  # B lacks it: not paired, left out
+    d = mean_difference(recs, "A", "B", sample_key)
+    assert d["n_samples"] == 4 and d["difference"] == pytest.approx(((0.5 + 1.0) / 2 + (0.0 - 1.0) / 2) / 2)
+    assert d["ci"][0] <= d["difference"] <= d["ci"][1] and 0 <= d["p_a_lower"] <= 1
+    one = mean_difference(recs[:2], "A", "B", sample_key)  # one sample: a point, no interval
+    assert one["difference"] == 0.5 and one["ci"] is None

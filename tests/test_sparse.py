@@ -391,6 +391,18 @@ def test_fork_reads_the_same_bytes_in_another_mode(model, codec):
     for bad in (dict(stride=3), dict(mode="snapkv")):
         with pytest.raises(ValueError):
             standalone.fork(**bad)
+    # a SnapKV cache forks into a copy of itself after its eviction: the copy reads the same survivors
+    snap = _cache(model, codec, mode="snapkv", select_budget=20, n_recent=4)
+    with torch.no_grad():
+        tok = model(ids, cache=snap, use_cache=True).logits[:, -1:].argmax(-1)
+        copy = snap.fork()
+        assert copy.sparse.evicted == snap.sparse.evicted and snap.sparse.evicted
+        for _ in range(4):
+            a, b = model(tok, cache=snap).logits, model(tok, cache=copy).logits
+            assert torch.equal(a, b)
+            tok = a[:, -1:].argmax(-1)
+    with pytest.raises(ValueError, match="SnapKV"):
+        snap.fork(mode="standalone")
 
 
 def test_sparse_mode_without_the_attention_function_fails_loudly(codec):

@@ -73,6 +73,8 @@ def register(subparsers) -> None:
                         "again, the rest run as usual")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--no-answer-nll", action="store_true",
+                   help="skip scoring each sample's gold answer teacher-forced through every cache (answer_nll)")
     e.set_defaults(func=cmd_eval)
 
     p = subparsers.add_parser("pool", help="pool the per-sample predictions of several rkv eval runs into one result",
@@ -152,6 +154,12 @@ def cmd_pool(args) -> int:
                     print(f"{a} - {b} at {L} tokens, {c['n_samples']} shared samples: {c['difference']:+.3f} "
                           f"(95% CI {c['ci'][0]:+.3f} .. {c['ci'][1]:+.3f}); {a} ahead in {c['p_a_ahead']:.0%} "
                           "of resamples")
+                if c["answer_nll_difference"] is not None:
+                    ci = ("" if c["answer_nll_ci"] is None else
+                          f" (95% CI {c['answer_nll_ci'][0]:+.3f} .. {c['answer_nll_ci'][1]:+.3f}); {a} lower in "
+                          f"{c['answer_nll_p_a_lower']:.0%} of resamples")
+                    print(f"  answer NLL, {a} - {b}, {c['answer_nll_samples']} shared samples: "
+                          f"{c['answer_nll_difference']:+.3f} nats/token{ci}")
         (json_path.parent / f"{json_path.stem}_compare.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     print(f"[rkv pool] {len(records)} samples from {len(runs)} runs -> {json_path} (+ .csv, .md, plot, predictions)",
           file=sys.stderr)
@@ -203,7 +211,7 @@ def cmd_eval(args) -> int:
                     n_samples=args.n_samples, seed=args.seed, ppl_context=args.ppl_context,
                     ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows, reference=reference,
                     out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
-                    json_path=json_path, progress=not args.no_progress,
+                    json_path=json_path, progress=not args.no_progress, score_answers=not args.no_answer_nll,
                     extra={"backbone": args.backbone, "codec": str(codec_note) if codec_note else None,
                            "suite": args.tasks or suite, "seed": args.seed})
     print(markdown_table(rows))

@@ -20,6 +20,11 @@ Per (method, context length) row:
   time_s, s_per_sample, prefill_tok_s, decode_tok_s   wall-clock figures of this process (records reused from
                                 an earlier run, `reference` below, keep that run's figures)
   reused_samples                how many of the row's samples were taken from that earlier run
+  answer_nll                    mean over tasks of the mean NLL per token (nats) of a correct answer written
+                                after the prompt, teacher-forced through the method's cache (`answer_nll`):
+                                a continuous reading of the same question, far less noisy than string match
+  answer_nll_delta, _ci         answer_nll minus the full cache's on the same samples (paired; > 0: the
+                                cache makes the right answer less likely), and its 95% bootstrap interval
 The full FP16 cache is always run (added first when not requested): quality is relative to it.
 """
 
@@ -39,9 +44,9 @@ import torch
 from .. import accounting
 from ..snapkv import SnapKVCache, snapkv_report
 from .perplexity import cache_perplexity, heldout_ids
-from .samples import Sample, encode_prompt, generation_budget
+from .samples import Sample, encode_prompt, generation_budget, gold_answer_ids
 from .scoring import score as score_prediction
-from .stats import rel_score_interval
+from .stats import mean_difference, rel_score_interval
 
 REFERENCE = "full"
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
@@ -134,6 +139,9 @@ class Generation:
     prefill_s: float
     decode_s: float
     decode_steps: int  # one-token forward calls after the prefill
+    answer_nll: float | None = None  # mean NLL per token of the gold answer, teacher-forced through the cache
+    answer_tokens: int = 0
+    answer_nll_s: float = 0.0
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -145,15 +153,45 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def snapshot(cache):
+    """An independent copy of a filled cache (bytes copied, modules shared), to read on without touching it."""
+    import copy
+
+    from ..cache import ResidualKVCache
+
+    return cache.fork() if isinstance(cache, ResidualKVCache) else copy.deepcopy(cache)
+
+
 @torch.no_grad()
-def greedy(model, tokenizer, cache, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> Generation:
-    """Prefill the prompt into `cache` in one call, then decode greedily one token per step."""
+def answer_nll(model, cache, first_logits: torch.Tensor, answer_ids: Sequence[int], start: int) -> float:
+    """Mean NLL per token of `answer_ids` written after the prompt: the first token scored from the prefill's
+    last logits, each next one after feeding the previous gold token through `cache` (a decode step, so
+    the sparse modes select and SnapKV reads its survivors as they do while generating)."""
+    device = first_logits.device
+    total = -float(torch.log_softmax(first_logits.float(), -1)[answer_ids[0]])
+    for j, tok in enumerate(answer_ids[:-1]):
+        out = model(input_ids=torch.tensor([[tok]], device=device), cache=cache, use_cache=True,
+                    position_ids=torch.tensor([[start + j]], device=device))
+        total -= float(torch.log_softmax(out.logits[0, -1].float(), -1)[answer_ids[j + 1]])
+    return total / len(answer_ids)
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, cache, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int],
+           answer_ids: Sequence[int] | None = None) -> Generation:
+    """Prefill the prompt into `cache` in one call, then decode greedily one token per step. With
+    `answer_ids`, also score the gold answer teacher-forced (`answer_nll`) on a snapshot of the cache
+    taken after the prefill, so the generation runs exactly as without it."""
     device = next(model.parameters()).device
     n = len(prompt_ids)
     t0 = time.perf_counter()
     out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     t1 = time.perf_counter()
-    nxt = int(out.logits[0, -1].argmax())
+    first = out.logits[0, -1]
+    scored = snapshot(cache) if answer_ids else None
+    t_snap = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    nxt = int(first.argmax())
     generated: list[int] = []
     steps = 0
     while nxt not in stop_ids:
@@ -165,7 +203,11 @@ def greedy(model, tokenizer, cache, prompt_ids: Sequence[int], max_new_tokens: i
                     position_ids=torch.tensor([[n + len(generated) - 1]], device=device))
         nxt = int(out.logits[0, -1].argmax())
     t2 = time.perf_counter()
-    return Generation(generated, tokenizer.decode(generated, skip_special_tokens=True), t1 - t0, t2 - t1, steps)
+    g = Generation(generated, tokenizer.decode(generated, skip_special_tokens=True), t1 - t0 - t_snap, t2 - t1, steps)
+    if answer_ids:
+        g.answer_nll, g.answer_tokens = answer_nll(model, scored, first, answer_ids, n), len(answer_ids)
+        g.answer_nll_s = time.perf_counter() - t2 + t_snap
+    return g
 
 
 def truncate_middle(ids: list[int], max_len: int | None) -> list[int]:
@@ -210,7 +252,8 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
              ppl_context: int | None = None, ppl_tokens: int = 64, ppl_windows: int = 1,
              min_new_tokens: int | None = None, reference: Sequence[dict[str, Any]] | None = None,
              out_dir: str | Path | None = None, stem: str = "eval", json_path: str | Path | None = None,
-             progress: bool = True, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+             progress: bool = True, extra: dict[str, Any] | None = None, score_answers: bool = True
+             ) -> list[dict[str, Any]]:
     """Run `methods` side by side on the same inputs; return one row per (method, context length).
 
     Inputs: `samples` (e.g. `load_jsonl`) -- prompts longer than a context length are middle-truncated to
@@ -227,6 +270,8 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     sample they hold -- same context length, id, answers, seed, prompt length and generation budget -- takes
     the stored full-cache answer instead of generating it again (greedy decoding of the same model gives
     the same answer; the record keeps its original timings and says it was reused); any other sample runs.
+    `score_answers`: also score each sample's gold answer teacher-forced through every method's cache
+    (`answer_nll`; a snapshot of the cache after the prefill, so generation is unchanged).
     """
     from tqdm.auto import tqdm
 
@@ -259,6 +304,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
             for sample in group:
                 ids = truncate_middle(encode_prompt(tokenizer, sample), L)
                 budget = generation_budget(tokenizer, sample, min_new_tokens)
+                gold = gold_answer_ids(tokenizer, sample) if score_answers else None
                 for m in methods:
                     bar.set_postfix_str(f"{L or ''} {sample.task} {m}")
                     known = stored.get((L, sample.id, tuple(sample.answers), len(ids), budget)) if m == REFERENCE else None
@@ -268,8 +314,8 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                         continue
                     cache = build_method_cache(m, model, codec, base_config)
                     t0 = time.perf_counter()
-                    g = greedy(model, tokenizer, cache, ids, budget, stop)
-                    wall = time.perf_counter() - t0
+                    g = greedy(model, tokenizer, cache, ids, budget, stop, gold)
+                    wall = time.perf_counter() - t0 - g.answer_nll_s
                     rep = measure(cache)
                     records.append({
                         "method": m, "context_len": L, "id": sample.id, "task": sample.task,
@@ -278,6 +324,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                         "new_tokens": len(g.token_ids), "max_new_tokens": budget, "prefill_s": g.prefill_s,
                         "decode_s": g.decode_s, "decode_steps": g.decode_steps, "wall_s": wall, "kr_measured": rep["kr_measured"],
                         "kr_formula": rep.get("kr_formula"), "cr": rep["cr"], "seed": seed,
+                        "answer_nll": g.answer_nll, "answer_tokens": g.answer_tokens, "answer_nll_s": g.answer_nll_s,
                     })
                     del cache
                     bar.update(1)
@@ -333,11 +380,18 @@ def sample_key(record: dict[str, Any]) -> tuple:
 
 
 def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
-    """stats.compare of methods a and b (relative to the full cache) at each context length the records hold."""
+    """stats.compare of methods a and b (relative to the full cache) at each context length the records hold,
+    with the difference of their answer NLL (stats.mean_difference) beside it."""
     from .stats import compare
 
-    return [{"context_len": L, **compare([r for r in records if r.get("context_len") == L], a, b, REFERENCE, sample_key)}
-            for L in dict.fromkeys(r.get("context_len") for r in records)]
+    out = []
+    for L in dict.fromkeys(r.get("context_len") for r in records):
+        recs = [r for r in records if r.get("context_len") == L]
+        nll = mean_difference(recs, a, b, sample_key)
+        out.append({"context_len": L, **compare(recs, a, b, REFERENCE, sample_key),
+                    "answer_nll_difference": nll["difference"], "answer_nll_ci": nll["ci"],
+                    "answer_nll_p_a_lower": nll["p_a_lower"], "answer_nll_samples": nll["n_samples"]})
+    return out
 
 
 def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -381,6 +435,17 @@ def pooled_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         same = [r for r in records if r["method"] == m or (r["method"] == REFERENCE and sample_key(r) in mine)]
         rows += [r for r in summarize(same, {}, [REFERENCE, m], lengths) if r["method"] == m and r["n_samples"]]
     return sorted(rows, key=lambda r: (lengths.index(r["context_len"]), methods.index(r["method"])))
+
+
+def _answer_nll_fields(recs: list[dict[str, Any]], m: str, task_names: list[str]) -> dict[str, Any]:
+    by_task = defaultdict(list)
+    for r in recs:
+        if r["method"] == m and r.get("answer_nll") is not None:
+            by_task[r["task"]].append(r["answer_nll"])
+    nll = _mean([sum(v) / len(v) for t in task_names if (v := by_task.get(t))])
+    delta = mean_difference(recs, m, REFERENCE, sample_key) if nll is not None and m != REFERENCE else None
+    return {"answer_nll": nll, "answer_nll_delta": 0.0 if m == REFERENCE and nll is not None else
+            (delta or {}).get("difference"), "answer_nll_delta_ci": (delta or {}).get("ci")}
 
 
 def _mean(xs):
@@ -440,6 +505,7 @@ def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], 
                 "tasks_without_signal": [t for t in task_names if t not in signal],
                 "n_samples": len(mine),
                 "reused_samples": sum(1 for r in mine if r.get("reused")),
+                **_answer_nll_fields(recs, m, task_names),
                 "ppl": ppl["ppl"] if ppl else None,
                 "nll": ppl["nll"] if ppl else None,
                 "ppl_rel": (ppl["ppl"] / ref_ppl["ppl"]) if ppl and ref_ppl else None,

@@ -16,6 +16,8 @@ def scalar_columns(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
     if row.get("rel_score_ci"):
         out["rel_score_ci_lo"], out["rel_score_ci_hi"] = row["rel_score_ci"]
+    if row.get("answer_nll_delta_ci"):
+        out["answer_nll_delta_ci_lo"], out["answer_nll_delta_ci_hi"] = row["answer_nll_delta_ci"]
     return out
 
 
@@ -49,22 +51,32 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def _nll_delta(r: dict[str, Any]) -> str:
+    d, ci = r.get("answer_nll_delta"), r.get("answer_nll_delta_ci")
+    if d is None:
+        return "–"
+    return f"{d:+.3f}" + (" ({:+.2f} .. {:+.2f})".format(*ci) if ci else "")
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     tasks = list(dict.fromkeys(t for r in rows for t in (r.get("tasks") or {})))
     head = ["method", "context", "KR (measured)", "KR (formula)", "CR", "score", "rel. score", "95% CI", *tasks,
-            "ppl", "ppl / full", "s / sample", "decode tok/s"]
+            "answer NLL", "− full (95% CI)", "ppl", "ppl / full", "s / sample", "decode tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"], str(r.get("context_len") or "–"), _pct(r.get("kr_measured")), _pct(r.get("kr_formula")),
                  _pct(r.get("cr"), 0), _pct(r.get("score")), _num(r.get("rel_score"), "{:.3f}"),
                  "–" if not r.get("rel_score_ci") else "{:.2f}–{:.2f}".format(*r["rel_score_ci"]),
                  *[_pct((r.get("tasks") or {}).get(t), 0) for t in tasks],
+                 _num(r.get("answer_nll"), "{:.3f}"), _nll_delta(r),
                  _num(r.get("ppl"), "{:.3f}"), _num(r.get("ppl_rel"), "{:.4f}"), _num(r.get("s_per_sample"), "{:.1f}"),
                  _num(r.get("decode_tok_s"), "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
     notes = ["", "KR: bytes held / bytes of the FP16 full cache, mean over samples after prefill + generation. "
              "Scores: string match (fraction of answers present), mean over tasks. rel. score: relative to the "
-             "full cache over the tasks where it scores > 0; 95% CI: paired bootstrap over the samples, by task."]
+             "full cache over the tasks where it scores > 0; 95% CI: paired bootstrap over the samples, by task. "
+             "answer NLL: nats per token of a correct answer teacher-forced through the cache, mean over tasks; "
+             "− full: paired difference to the full cache (> 0: the right answer became less likely)."]
     silent = sorted({t for r in rows for t in r.get("tasks_without_signal") or []})
     if silent:
         notes.append(f"Tasks where the full cache scores 0 (left out of rel. score): {', '.join(silent)}.")

@@ -124,6 +124,15 @@ def encode_prompt(tokenizer, sample: Sample) -> list[int]:
     return tokenize_prompt(tokenizer, sample)[1].input_ids
 
 
+def gold_answer_ids(tokenizer, sample: Sample) -> list[int]:
+    """The tokens of a correct answer written straight after the prompt, for the teacher-forced answer NLL:
+    every answer, comma-separated, for "all"; the first one for "any". A space first where the prompt ends
+    in a word (an answer prefix, "Answer:"), none after a chat template's newline."""
+    text = ", ".join(a.strip() for a in sample.answers) if sample.metric == "all" else sample.answers[0].strip()
+    sep = " " if prompt_text(tokenizer, sample)[-1:].strip() else ""
+    return tokenizer(sep + text, add_special_tokens=False).input_ids
+
+
 def generation_budget(tokenizer, sample: Sample, floor: int | None = None) -> int:
     """New tokens to allow: the sample's max_new_tokens, never less; when the sample did not set one,
     raised to fit its longest answer (plus a little room) so a correct answer is never cut off."""

@@ -10,6 +10,9 @@ for two methods the interval of their difference and the share of resamples in w
 It describes sampling noise of the prompts only; a retrained codec's own run-to-run spread comes on top.
 A task with one sample cannot vary under resampling, so no interval is given unless every task that
 counts has at least two.
+
+The same resampling serves a per-sample number that needs no reference to be read, such as the answer's
+teacher-forced NLL (`mean_difference`): the mean over tasks of the paired per-task mean differences.
 """
 
 from __future__ import annotations
@@ -23,15 +26,15 @@ N_BOOT = 2000
 LEVEL = 0.95
 
 
-def _paired_scores(records: Sequence[dict[str, Any]], methods: Sequence[str], key: Callable[[dict], tuple]
-                   ) -> dict[str, np.ndarray]:
-    """{task: [n_t, len(methods)] scores} over the samples every one of `methods` ran."""
+def _paired_scores(records: Sequence[dict[str, Any]], methods: Sequence[str], key: Callable[[dict], tuple],
+                   field: str = "score") -> dict[str, np.ndarray]:
+    """{task: [n_t, len(methods)] values of `field`} over the samples every one of `methods` has it for."""
     by_sample: dict[tuple, dict[str, float]] = defaultdict(dict)
     task_of: dict[tuple, str] = {}
     for r in records:
-        if r["method"] in methods:
+        if r["method"] in methods and r.get(field) is not None:
             k = key(r)
-            by_sample[k][r["method"]] = float(r["score"])
+            by_sample[k][r["method"]] = float(r[field])
             task_of[k] = r["task"]
     table: dict[str, list[list[float]]] = defaultdict(list)
     for k, scores in by_sample.items():
@@ -97,3 +100,21 @@ def compare(records: Sequence[dict[str, Any]], a: str, b: str, reference: str, k
             "rel_b": float(_ratios(means, signal, 1, 2)[0]), "difference": float(diff[0]),
             "ci": _interval(diff[1:], level), "level": level,
             "p_a_ahead": float((boot > 0).mean() + 0.5 * (boot == 0).mean())}
+
+
+def mean_difference(records: Sequence[dict[str, Any]], a: str, b: str, key: Callable[[dict], tuple],
+                    field: str = "answer_nll", level: float = LEVEL, n_boot: int = N_BOOT, seed: int = 0
+                    ) -> dict[str, Any]:
+    """Mean over tasks of mean_t(a) - mean_t(b) of a per-sample `field`, on the samples both have it for, with
+    its interval (None unless every task has two samples) and the share of resamples where a's is lower."""
+    table = _paired_scores(records, [a, b], key, field)
+    n = sum(len(x) for x in table.values())
+    if not table:
+        return {"a": a, "b": b, "field": field, "n_samples": 0, "difference": None, "ci": None, "p_a_lower": None}
+    means = _resampled_task_means(table, n_boot, seed)
+    diff = sum(m[:, 0] - m[:, 1] for m in means.values()) / len(means)
+    boot = diff[1:]
+    ok = min(len(x) for x in table.values()) >= 2
+    return {"a": a, "b": b, "field": field, "n_samples": n, "difference": float(diff[0]),
+            "ci": _interval(boot, level) if ok else None, "level": level,
+            "p_a_lower": float((boot < 0).mean() + 0.5 * (boot == 0).mean()) if ok else None}
