@@ -113,6 +113,11 @@ class ResidualStore:
     def n_refs(self) -> int:
         return 0 if self.refs is None else self.refs.shape[1]
 
+    def _held(self) -> torch.Tensor | None:
+        """A tensor the store holds, for its batch size, feature width and device (None while empty): the
+        references, or before the first one is coded the recent window."""
+        return self.win if self.refs is None else self.refs
+
     def decoded_refs(self) -> torch.Tensor | None:
         return None if self.refs is None else decode_ref(self.refs, self.cfg.ref_format)
 
@@ -218,7 +223,7 @@ class ResidualStore:
             return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
         if self.n == 0:
             return torch.empty(0)
-        like = self.win if self.refs is None else self.refs
+        like = self._held()
         B, d, dev = like.shape[0], like.shape[-1], like.device
         out = torch.empty(B, self.n, d, device=dev)
         coded = torch.arange(self.n, device=dev) < self.n_coded
@@ -311,7 +316,7 @@ class ResidualStore:
         [B, H, S, D] with the keys rotated, as `read` does."""
         cfg = self.cfg
         B, S = ordinals.shape
-        like = self.refs if self.refs is not None else self.win
+        like = self._held()
         if like is None or S == 0:
             out = torch.zeros(B, S, self.codec.dims.d_kv, device=ordinals.device)
             return out if rope is None else _rotate_rest(out, rope, None)
@@ -366,7 +371,7 @@ class ResidualStore:
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
-        like = self.refs if self.refs is not None else self.win
+        like = self._held()
         if self.ref_ord is None:
             B = like.shape[0] if like is not None else 1
             return torch.arange(self.n, device=like.device if like is not None else None).expand(B, self.n)

@@ -186,10 +186,10 @@ def greedy(model, tokenizer, cache, prompt_ids: Sequence[int], max_new_tokens: i
     n = len(prompt_ids)
     t0 = time.perf_counter()
     out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), cache=cache, use_cache=True, logits_to_keep=1)
-    t1 = time.perf_counter()
+    prefill_s = time.perf_counter() - t0
     first = out.logits[0, -1]
+    t_snap = time.perf_counter()
     scored = snapshot(cache) if answer_ids else None
-    t_snap = time.perf_counter() - t1
     t1 = time.perf_counter()
     nxt = int(first.argmax())
     generated: list[int] = []
@@ -203,10 +203,10 @@ def greedy(model, tokenizer, cache, prompt_ids: Sequence[int], max_new_tokens: i
                     position_ids=torch.tensor([[n + len(generated) - 1]], device=device))
         nxt = int(out.logits[0, -1].argmax())
     t2 = time.perf_counter()
-    g = Generation(generated, tokenizer.decode(generated, skip_special_tokens=True), t1 - t0 - t_snap, t2 - t1, steps)
-    if answer_ids:
+    g = Generation(generated, tokenizer.decode(generated, skip_special_tokens=True), prefill_s, t2 - t1, steps)
+    if answer_ids:  # its time (the snapshot and the teacher-forced steps) is kept apart from the generation's
         g.answer_nll, g.answer_tokens = answer_nll(model, scored, first, answer_ids, n), len(answer_ids)
-        g.answer_nll_s = time.perf_counter() - t2 + t_snap
+        g.answer_nll_s = (t1 - t_snap) + (time.perf_counter() - t2)
     return g
 
 
