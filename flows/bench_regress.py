@@ -12,14 +12,18 @@ are compared with a baseline:
     candidate worse than what is served? (The champion is re-measured on the candidate's suite when the
     two were benchmarked on different suites.)
 Gated metrics and directions: score, rel_score, task.* (higher is better, absolute tolerance);
-kr_measured (lower is better, absolute tolerance); ppl, ppl_rel (lower is better, relative tolerance).
+kr_measured, answer_nll, answer_nll_delta (lower is better, absolute tolerance); ppl, ppl_rel (lower is
+better, relative tolerance).
 Against another version (the champion) the scores of a few samples per task move by ~0.1 between two
 equally good codecs, so where both sides have per-sample predictions with signal (the champion's stored
 `tables/benchmark_predictions.jsonl`, or its re-measurement) the scores are judged on the samples both
 answered instead: rel_score of the version minus the baseline's per context length, with a paired bootstrap
 interval (`residualkv.evaluation.stats`); a regression is an interval lying wholly below -tolerance (worse
-beyond the sampling noise). score, rel_score and task.* are then shown, not gated. Against its own stored
-metrics a re-run is deterministic and every metric keeps the fixed tolerance.
+beyond the sampling noise). score, rel_score and task.* are then shown, not gated. Likewise the answer NLL
+(nats per token of the gold answer teacher-forced through the cache), where both runs scored it: the
+version's minus the baseline's on the same samples, a regression when the interval lies wholly above
++nll_tolerance (the right answers became less likely beyond the noise); answer_nll* are then shown only.
+Against its own stored metrics a re-run is deterministic and every metric keeps the fixed tolerance.
 Exit 0: no regression; 1: regressions (a table says which); 2: the version cannot be checked.
 """
 
@@ -29,13 +33,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import registry
 from registry.store import client, experiment_id, retrying
 from tasks.backbones import resolve_backbone
 from tasks.measure import run_evaluation
-from tasks.paired import PairedCheck, baseline_of, judge_paired, result_predictions
+from tasks.paired import ANSWER_NLL_TOLERANCE, PairedCheck, baseline_of, judge_paired, result_predictions
 from tasks.tracking import headline_metrics, metric_direction
 
 from .summary import table
@@ -67,8 +71,8 @@ class Comparison:
         return self.gated and worse > self.allowed + 1e-12
 
 
-# the figures computed from the same per-sample answers that a paired check compares
-SAMPLE_SCORES = ("score", "rel_score", "task.")
+# the figures computed from the same per-sample answers that a paired check of that quantity compares
+SAMPLE_FIGURES = {"rel_score": ("score", "rel_score", "task."), "answer_nll": ("answer_nll",)}
 
 
 @dataclass
@@ -103,24 +107,27 @@ class RegressReport:
                 f"{'PASS' if self.passed else 'FAIL'} - {len(self.regressions)} regression(s) in {n} metrics")
         out = head + "\n" + table(["metric", "baseline", "measured", "delta", "allowed", "status"], rows)
         if self.paired:
-            out += "\n\nscores on the same samples (measured - baseline, 95% paired bootstrap interval):\n" + table(
-                ["check", "difference", "95% CI", "measured ahead", "regression if CI below", "status"],
+            out += "\n\non the same samples (measured - baseline, 95% paired bootstrap interval):\n" + table(
+                ["check", "difference", "95% CI", "measured better", "regression if CI", "status"],
                 [[p.metric, f"{p.difference:+.4f}", f"{p.ci[0]:+.4f} .. {p.ci[1]:+.4f}", f"{p.p_ahead:.0%}",
-                  f"{-p.tolerance:+.4f}", "REGRESSION" if p.regressed else "ok"] for p in self.paired])
+                  f"above {p.tolerance:+.4f}" if p.lower_is_better else f"below {-p.tolerance:+.4f}",
+                  "REGRESSION" if p.regressed else "ok"] for p in self.paired])
         if self.paired_note:
             out += f"\n{self.paired_note}"
         return out
 
 
 def compare(baseline: Mapping[str, float], measured: Mapping[str, float], tolerance: float,
-            paired: bool = False) -> list[Comparison]:
-    """Fixed-tolerance checks of every gated metric; with `paired`, the sample scores are shown, not gated."""
+            paired: Sequence[str] = ()) -> list[Comparison]:
+    """Fixed-tolerance checks of every gated metric; the figures of the `paired` quantities (rel_score,
+    answer_nll: judged by paired checks instead) are shown, not gated."""
+    shown = tuple(prefix for q in paired for prefix in SAMPLE_FIGURES[q])
     out = []
     for metric in sorted(baseline):
         how = metric_direction(metric)
         if how is None:
             continue
-        gated = not (paired and metric.startswith(SAMPLE_SCORES))
+        gated = not (shown and metric.startswith(shown))
         out.append(Comparison(metric, float(baseline[metric]), measured.get(metric), how[0], how[1], tolerance, gated))
     return out
 
@@ -139,7 +146,7 @@ def _baseline(mv, against: str) -> tuple[str, Any]:
 
 
 def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", progress: bool = True,
-                  log_to_mlflow: bool = True) -> RegressReport:
+                  log_to_mlflow: bool = True, nll_tolerance: float = ANSWER_NLL_TOLERANCE) -> RegressReport:
     mv = registry.get_version(uri)
     suite = registry.version_suite(mv)
     if not suite:
@@ -158,30 +165,32 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
         base = baseline_of(base_mv, suite, lambda d: run_evaluation(ref, d, config, progress=progress), suite["method"])
         if base["remeasured"]:
             baseline, source = base["metrics"], f"the champion (v{base_mv.version}) re-measured on this suite"
-        checks, why = judge_paired(result_predictions(result), base["predictions"], suite["method"], tolerance)
+        checks, why = judge_paired(result_predictions(result), base["predictions"], suite["method"], tolerance,
+                                   nll_tolerance=nll_tolerance)
         note = f"scores kept the fixed tolerance: {why}" if why else ""
     report = RegressReport(uri=uri, version=str(mv.version), baseline_source=source,
-                           comparisons=compare(baseline, measured, tolerance, paired=bool(checks)),
+                           comparisons=compare(baseline, measured, tolerance,
+                                               paired=sorted({c.quantity for c in checks})),
                            measured=measured, rows=result["rows"], paired=checks, paired_note=note)
     if log_to_mlflow:
-        _log(report, mv, tolerance)
+        _log(report, mv, tolerance, nll_tolerance)
     return report
 
 
-def _log(report: RegressReport, mv, tolerance: float) -> None:
+def _log(report: RegressReport, mv, tolerance: float, nll_tolerance: float) -> None:
     """A `bench-regress` run in MLflow (metrics + the table) and a tag on the version with the outcome."""
     from mlflow.entities import Metric
 
     c = client()
     run = retrying(c.create_run, experiment_id(), run_name=f"bench-regress-{mv.name}-v{mv.version}",
                    tags={"rkv.kind": "bench-regress", "model": mv.name, "version": str(mv.version),
-                         "rkv.tolerance": str(tolerance), "rkv.passed": str(report.passed).lower()})
+                         "rkv.tolerance": str(tolerance), "rkv.nll_tolerance": str(nll_tolerance), "rkv.passed": str(report.passed).lower()})
     now = int(time.time() * 1000)
     metrics = [Metric(k, v, now, 0) for k, v in report.measured.items() if math.isfinite(v)]
     for p in report.paired:
-        metrics += [Metric(f"paired/rel_score_diff_ctx{p.context_len}", p.difference, now, 0),
-                    Metric(f"paired/rel_score_diff_lo_ctx{p.context_len}", p.ci[0], now, 0),
-                    Metric(f"paired/rel_score_diff_hi_ctx{p.context_len}", p.ci[1], now, 0)]
+        metrics += [Metric(f"paired/{p.quantity}_diff_ctx{p.context_len}", p.difference, now, 0),
+                    Metric(f"paired/{p.quantity}_diff_lo_ctx{p.context_len}", p.ci[0], now, 0),
+                    Metric(f"paired/{p.quantity}_diff_hi_ctx{p.context_len}", p.ci[1], now, 0)]
     if metrics:
         retrying(c.log_batch, run.info.run_id, metrics=metrics)
     retrying(c.log_text, run.info.run_id, report.text() + "\n", "bench_regress.txt")

@@ -1,7 +1,8 @@
 """Pipeline commands for `rkv` (registered by residualkv/cli.py), also runnable as `python -m flows.cli ...`.
 
     rkv run [--profile quick]                         the whole pipeline; ends with a summary table
-    rkv bench-regress [--codec models:/NAME@champion] [--tolerance 0.02] [--against auto|self|champion]
+    rkv bench-regress [--codec models:/NAME@champion] [--tolerance 0.02] [--nll-tolerance 0.05]
+                      [--against auto|self|champion]
     rkv deploy [--profile quick] [--run-now] [--run-once] [--work-pool NAME]   scheduled retraining
 """
 
@@ -23,6 +24,9 @@ def register(subparsers) -> None:
     b.add_argument("--profile", default="quick", help="names the default model (rkv-<backbone>) when --codec is not given")
     b.add_argument("--tolerance", type=float, default=0.02,
                    help="allowed worsening: absolute for scores and KR, relative for perplexities (default 0.02)")
+    b.add_argument("--nll-tolerance", type=float, default=None,
+                   help="against another version: the answer NLL (nats/token) may rise by this much on the same "
+                        "samples before an interval wholly above it is a regression (default 0.05)")
     b.add_argument("--against", default="auto", choices=("auto", "self", "champion"),
                    help="baseline: auto = the version's own metrics if it is the champion, else the champion's")
     b.add_argument("--json", default=None, metavar="OUT", help="also write the comparison as JSON")
@@ -71,7 +75,8 @@ def cmd_bench_regress(args) -> int:
 
     uri = args.codec or default_uri(args.profile)
     try:
-        report = bench_regress(uri, tolerance=args.tolerance, against=args.against)
+        extra = {} if args.nll_tolerance is None else {"nll_tolerance": args.nll_tolerance}
+        report = bench_regress(uri, tolerance=args.tolerance, against=args.against, **extra)
     except registry.RegistryError as error:
         print(f"bench-regress: cannot check {uri}: {error}", file=sys.stderr)
         return 2

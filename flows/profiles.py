@@ -40,7 +40,7 @@ DEFAULTS: dict[str, Any] = {
                  "tracking_uri": None,  # None: $MLFLOW_TRACKING_URI, else the embedded SQLite store
                  "promotion": {"score_metric": "rel_score", "score_tol": 0.01, "kr_metric": "kr_measured",
                                "kr_tol": 0.005, "higher_is_better": True, "ppl_metric": "ppl_rel", "ppl_tol": 0.05,
-                               "paired": True}},
+                               "paired": True, "answer_nll_tol": 0.05}},
     "schedule": {"cron": "0 3 * * 1", "timezone": "UTC", "deployment": None},
 }
 

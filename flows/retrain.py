@@ -128,7 +128,8 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_i
                 champ = champion_on_this_suite(model_name, reg["version"], ref, prof, suite)
                 rule = registry.PromotionRule(**reg_cfg["promotion"])
                 paired, note = judge_paired(result_predictions(bench), champ["predictions"], method, rule.score_tol,
-                                            side="champion") if rule.uses_paired() else ([], "")
+                                            side="champion", nll_tolerance=rule.answer_nll_tol
+                                            ) if rule.uses_paired() else ([], "")
                 out["promotion"] = promote_version(model_name, reg["version"], reg_cfg["promotion"], champ["metrics"],
                                                    [p.as_dict() for p in paired], note, champ["version"])
         end_run(run_id, "FINISHED")

@@ -303,6 +303,7 @@ class PromotionRule:
     ppl_metric: str | None = "ppl_rel"
     ppl_tol: float = 0.05
     paired: bool = True
+    answer_nll_tol: float | None = 0.05
 
     def uses_paired(self) -> bool:
         return self.paired and self.higher_is_better and self.score_metric == "rel_score"
@@ -319,6 +320,9 @@ class PromotionRule:
         paired = (f"; with paired differences on the same samples, the {self.score_metric} clause is instead: "
                   f"no 95% interval of (candidate - champion) lies wholly below -{self.score_tol}"
                   if self.uses_paired() else "")
+        if self.uses_paired() and self.answer_nll_tol is not None:
+            paired += (f"; and, where both scored the gold answers, no 95% interval of answer_nll (candidate - "
+                       f"champion) lies wholly above +{self.answer_nll_tol}")
         return (f"promote iff {quality} and candidate.{self.kr_metric} <= champion.{self.kr_metric} + {self.kr_tol}"
                 f"{ppl} (same suite, same backbone fingerprint; no champion -> promote){paired}")
 
@@ -352,8 +356,8 @@ class PromotionDecision:
                 a, b = self.candidate_metrics.get(k), self.champion_metrics.get(k)
                 lines.append(f"{k:28s} {_fmt(a):>12s} {_fmt(b):>12s}")
         for p in self.paired:
-            lines.append(f"paired rel_score ctx{p['context_len']} ({p['n_samples']} samples): candidate - champion "
-                         f"{p['difference']:+.4f} (95% CI {p['ci'][0]:+.4f} .. {p['ci'][1]:+.4f})")
+            lines.append(f"paired {_quantity(p)} ctx{p['context_len']} ({p['n_samples']} samples): candidate - "
+                         f"champion {p['difference']:+.4f} (95% CI {p['ci'][0]:+.4f} .. {p['ci'][1]:+.4f})")
         if self.paired_note:
             lines.append(self.paired_note)
         return "\n".join(lines)
@@ -361,6 +365,10 @@ class PromotionDecision:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def _quantity(p: Mapping[str, Any]) -> str:
+    return p.get("quantity", "rel_score")  # evidence recorded before answer NLL existed is rel_score
 
 
 def promote_if_not_worse(name: str, version: str | int, rule: PromotionRule | None = None, *,
@@ -426,7 +434,7 @@ def _version(mv) -> str | None:
 
 
 def _paired_note(rule: PromotionRule, evidence, paired, paired_champion, champ, note: str) -> str:
-    if not rule.uses_paired() or evidence or champ is None:
+    if not rule.uses_paired() or any(_quantity(p) == "rel_score" for p in evidence) or champ is None:
         return ""
     if paired and paired_champion is None:
         return (f"{rule.score_metric} judged by the point clause: paired differences were passed without "
@@ -460,12 +468,20 @@ def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: b
     s_c, s_ch = cand_m[rule.score_metric], champ_m[rule.score_metric]
     k_c, k_ch = cand_m[rule.kr_metric], champ_m[rule.kr_metric]
     problems = []
-    by_samples = rule.uses_paired() and bool(paired)
-    for p in paired if by_samples else ():
+    scores = [p for p in paired if _quantity(p) == "rel_score"] if rule.uses_paired() else []
+    nlls = ([p for p in paired if _quantity(p) == "answer_nll"]
+            if rule.uses_paired() and rule.answer_nll_tol is not None else [])
+    by_samples = bool(scores)
+    for p in scores:
         if p["ci"][1] < -rule.score_tol:
             problems.append(f"{rule.score_metric} at {p['context_len']} tokens {p['difference']:+.4f} below the champion on "
                             f"the same {p['n_samples']} samples (95% CI {p['ci'][0]:+.4f} .. {p['ci'][1]:+.4f}, "
                             f"wholly below -{rule.score_tol})")
+    for p in nlls:
+        if p["ci"][0] > rule.answer_nll_tol:
+            problems.append(f"answer_nll at {p['context_len']} tokens {p['difference']:+.4f} nats/token above the champion "
+                            f"on the same {p['n_samples']} samples (95% CI {p['ci'][0]:+.4f} .. {p['ci'][1]:+.4f}, "
+                            f"wholly above +{rule.answer_nll_tol})")
     if not by_samples and rule.higher_is_better and s_c < s_ch - rule.score_tol:
         problems.append(f"{rule.score_metric} {s_c:.4f} < champion {s_ch:.4f} - {rule.score_tol}")
     if not rule.higher_is_better and s_c > s_ch + rule.score_tol:
@@ -480,7 +496,10 @@ def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: b
     cmp = (f">= {s_ch:.4f} - {rule.score_tol}" if rule.higher_is_better else f"<= {s_ch:.4f} + {rule.score_tol}")
     if by_samples:
         cmp = (f"(champion {s_ch:.4f}) not worse on the same samples: paired 95% CI upper bound(s) "
-               + ", ".join(f"{p['ci'][1]:+.4f} at {p['context_len']}" for p in paired) + f" >= -{rule.score_tol}")
+               + ", ".join(f"{p['ci'][1]:+.4f} at {p['context_len']}" for p in scores) + f" >= -{rule.score_tol}")
+    if nlls:
+        cmp += (", answer_nll paired 95% CI lower bound(s) "
+                + ", ".join(f"{p['ci'][0]:+.4f} at {p['context_len']}" for p in nlls) + f" <= +{rule.answer_nll_tol}")
     ppl = (f" and {rule.ppl_metric} {p_c:.4f} <= {p_ch:.4f} * (1 + {rule.ppl_tol})"
            if p_c is not None and p_ch is not None else "")
     return True, f"{rule.score_metric} {s_c:.4f} {cmp} and {rule.kr_metric} {k_c:.4f} <= {k_ch:.4f} + {rule.kr_tol}{ppl}"

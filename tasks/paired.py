@@ -4,8 +4,11 @@ A rel. score over a few samples per task moves by ~0.1 between two equally good 
 runs of one recipe differ by 0.08-0.18 here), so a fixed tolerance on point scores fails good codecs and
 passes bad ones by chance. Both gates instead take, per context length, rel_score of one version minus
 the other's on the same samples with a paired bootstrap interval (`residualkv.evaluation.stats`): worse
-only when the interval lies wholly below -tolerance. The registry judges those intervals without
-importing the evaluation code; this module computes them.
+only when the interval lies wholly below -tolerance. Beside it, where both runs scored the gold answers,
+the answer NLL (nats per token of the right answer teacher-forced through the cache) of one minus the
+other's: continuous, so it sees a codec that makes right answers less likely before enough of them flip
+to move a string-match score; worse only when its interval lies wholly above +nll_tolerance. The registry
+judges those intervals without importing the evaluation code; this module computes them.
 """
 
 from __future__ import annotations
@@ -24,40 +27,64 @@ from .tracking import headline_metrics
 PREDICTIONS_ARTIFACT = "tables/benchmark_predictions.jsonl"  # where log_results puts the harness's predictions
 
 
+ANSWER_NLL_TOLERANCE = registry.PromotionRule.answer_nll_tol  # nats per token; one number for both gates
+
+
 @dataclass
 class PairedCheck:
-    """rel_score of the measured version minus the baseline's on the samples both answered."""
+    """The measured version minus the baseline on the samples both answered: rel_score (higher is better; a
+    regression is an interval wholly below -tolerance) or answer_nll (lower is better; wholly above
+    +tolerance). `p_ahead`: the share of resamples where the measured version is the better one."""
     context_len: int
     n_samples: int
     difference: float
     ci: list[float]
     p_ahead: float
     tolerance: float
+    quantity: str = "rel_score"
 
     @property
     def metric(self) -> str:
-        return f"rel_score_ctx{self.context_len} paired ({self.n_samples} samples)"
+        return f"{self.quantity}_ctx{self.context_len} paired ({self.n_samples} samples)"
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.quantity == "answer_nll"
 
     @property
     def regressed(self) -> bool:
-        return self.ci[1] < -self.tolerance
+        return self.ci[0] > self.tolerance if self.lower_is_better else self.ci[1] < -self.tolerance
 
     def as_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "context_len": self.context_len, "n_samples": self.n_samples,
-                "difference": self.difference, "ci": self.ci, "p_ahead": self.p_ahead, "regressed": self.regressed}
+        return {"metric": self.metric, "quantity": self.quantity, "context_len": self.context_len,
+                "n_samples": self.n_samples, "difference": self.difference, "ci": self.ci, "p_ahead": self.p_ahead,
+                "tolerance": self.tolerance, "regressed": self.regressed}
 
 
 def paired_checks(measured: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]], method: str,
-                  tolerance: float) -> list[PairedCheck]:
-    """One check per context length where both runs have samples and the full cache scores (the measured run's
-    full-cache rows are the reference for both: same backbone, same samples)."""
+                  tolerance: float, nll_tolerance: float | None = ANSWER_NLL_TOLERANCE) -> list[PairedCheck]:
+    """Per context length: a rel_score check where both runs have samples and the full cache scores (the
+    measured run's full-cache rows are the reference for both: same backbone, same samples), and an answer_nll
+    check where both scored the gold answers on at least two samples of every task (None: no answer_nll checks)."""
     from residualkv.evaluation.harness import REFERENCE, compare_by_length
 
     records = [dict(r, method="measured") if r["method"] == method else r
                for r in measured if r["method"] in (method, REFERENCE)]
     records += [dict(r, method="baseline") for r in baseline if r["method"] == method]
-    return [PairedCheck(c["context_len"], c["n_samples"], c["difference"], c["ci"], c["p_a_ahead"], tolerance)
-            for c in compare_by_length(records, "measured", "baseline") if c["difference"] is not None]
+    out = []
+    for c in compare_by_length(records, "measured", "baseline"):
+        if c["difference"] is not None:
+            out.append(PairedCheck(c["context_len"], c["n_samples"], c["difference"], c["ci"], c["p_a_ahead"],
+                                   tolerance))
+        if nll_tolerance is not None and c["answer_nll_ci"] is not None:
+            out.append(PairedCheck(c["context_len"], c["answer_nll_samples"], c["answer_nll_difference"],
+                                   c["answer_nll_ci"], c["answer_nll_p_a_lower"], nll_tolerance, "answer_nll"))
+    return out
+
+
+def judges_scores(checks: Sequence[PairedCheck]) -> bool:
+    """Whether the checks include rel_score ones, which then stand in for the point scores' fixed tolerance."""
+    return any(c.quantity == "rel_score" for c in checks)
 
 
 def result_predictions(result: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -91,13 +118,15 @@ def baseline_of(mv, suite: Mapping[str, Any], remeasure: Callable[[str], Mapping
 
 
 def judge_paired(mine: Sequence[Mapping[str, Any]] | None, theirs: Sequence[Mapping[str, Any]] | None,
-                 method: str, tolerance: float, *, side: str = "baseline") -> tuple[list[PairedCheck], str]:
-    """(checks, why): `why` says why there are no checks, so a caller that falls back can say so."""
+                 method: str, tolerance: float, *, side: str = "baseline",
+                 nll_tolerance: float | None = ANSWER_NLL_TOLERANCE) -> tuple[list[PairedCheck], str]:
+    """(checks, why): `why` says why there are no rel_score checks, so a caller that falls back to the point
+    scores can say so (answer_nll checks may still be there)."""
     if mine is None or theirs is None:
         missing = side if mine is not None else "measured run"
         return [], f"no per-sample predictions stored for the {missing}"
-    checks = paired_checks(mine, theirs, method, tolerance)
-    if not checks:
-        return [], ("no paired comparison (no shared samples, or the full cache scores 0 on them, or a task "
-                    "has a single sample)")
+    checks = paired_checks(mine, theirs, method, tolerance, nll_tolerance)
+    if not judges_scores(checks):
+        return checks, ("no paired comparison of scores (no shared samples, or the full cache scores 0 on them, "
+                        "or a task has a single sample)")
     return checks, ""

@@ -31,7 +31,7 @@ def metric_direction(name: str) -> tuple[str, str] | None:
     base = name.split("_ctx", 1)[0]
     if base in ("score", "rel_score") or base.startswith("task."):
         return "max", "abs"
-    if base in ("kr_measured",):
+    if base in ("kr_measured", "answer_nll", "answer_nll_delta"):  # answer NLL: nats per token
         return "min", "abs"
     if base in ("ppl", "ppl_rel"):
         return "min", "rel"
@@ -54,7 +54,8 @@ def headline_metrics(bench_rows: Sequence[Mapping[str, Any]], method: str,
     if not mine:
         raise ValueError(f"the benchmark has no rows for {method!r}")
     out: dict[str, float] = {}
-    for key in ("kr_measured", "kr_formula", "cr", "score", "rel_score", "ppl", "ppl_rel"):
+    for key in ("kr_measured", "kr_formula", "cr", "score", "rel_score", "ppl", "ppl_rel", "answer_nll",
+                "answer_nll_delta"):
         value = _mean([r.get(key) for r in mine])
         if value is not None:
             out[key] = value

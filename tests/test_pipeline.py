@@ -356,13 +356,54 @@ def test_bench_regress_judges_scores_on_the_same_samples_against_another_version
     base = {"rel_score": 0.875, "task.a": 1.0, "kr_measured": 0.18}
     point = {"rel_score": 0.75, "task.a": 0.75, "kr_measured": 0.18}
     assert {c.metric for c in compare(base, point, 0.02) if c.regressed} == {"rel_score", "task.a"}
-    shown = compare(base, point, 0.02, paired=True)
+    shown = compare(base, point, 0.02, paired=["rel_score"])
     assert not any(c.regressed for c in shown) and [c.metric for c in shown if c.gated] == ["kr_measured"]
     text = RegressReport("models:/x@candidate", "4", "the champion", shown, paired=[noise]).text()
     assert "PASS - 0 regression(s) in 2 metrics" in text and "shown (paired check below)" in text
     assert "rel_score_ctx2048 paired (8 samples)" in text
     assert "FAIL - 1 regression(s)" in RegressReport("models:/x@candidate", "4", "the champion", shown,
                                                      paired=[real]).text()
+
+
+def test_bench_regress_judges_answer_nll_on_the_same_samples():
+    """Two codecs can give the same string-match answers while one makes the right answer less likely:
+    the paired answer-NLL check sees it, and judges it against the sampling noise, not a fixed step."""
+    from flows.bench_regress import RegressReport, compare
+    from tasks.paired import judge_paired, paired_checks
+
+    def records(method, nll):
+        return [{"method": method, "context_len": 2048, "id": f"{t}-{i}", "task": t, "seed": 0, "answers": [f"{t}{i}"],
+                 "prediction": f"{t}{i}", "score": 1.0, "answer_nll": x}
+                for t in ("a", "b") for i, x in enumerate(nll)]
+
+    full = records("full", [0.5, 0.6, 0.7, 0.8])
+    champion = records("residualkv", [0.6, 0.7, 0.8, 0.9])
+    noisy = full + records("residualkv", [0.62, 0.66, 0.85, 0.87])
+    worse = full + records("residualkv", [0.9, 1.0, 1.1, 1.3])
+    checks = paired_checks(noisy, champion, "residualkv", 0.02)
+    assert [c.quantity for c in checks] == ["rel_score", "answer_nll"]
+    nll = checks[1]
+    assert nll.n_samples == 8 and abs(nll.difference) < 0.02 and not nll.regressed
+    [_, bad] = paired_checks(worse, champion, "residualkv", 0.02)
+    assert abs(bad.difference - 0.325) < 1e-9 and bad.ci[0] > 0.05 and bad.regressed and bad.p_ahead == 0.0
+    assert bad.as_dict()["quantity"] == "answer_nll" and "answer_nll_ctx2048 paired (8 samples)" == bad.metric
+    assert not paired_checks(worse, champion, "residualkv", 0.02, nll_tolerance=0.5)[1].regressed
+    assert len(paired_checks(worse, champion, "residualkv", 0.02, nll_tolerance=None)) == 1
+    # a champion scored before answer NLL existed: the rel_score check only
+    old = [{k: v for k, v in r.items() if k != "answer_nll"} for r in champion]
+    assert [c.quantity for c in paired_checks(worse, old, "residualkv", 0.02)] == ["rel_score"]
+    # the full cache scoring 0 everywhere leaves no rel_score check; the NLL one stands, the note says so
+    zero = [dict(r, score=0.0) for r in worse]
+    checks, note = judge_paired(zero, champion, "residualkv", 0.02)
+    assert [c.quantity for c in checks] == ["answer_nll"] and "no paired comparison of scores" in note
+
+    base = {"rel_score": 0.9, "answer_nll": 0.75, "answer_nll_delta": 0.1, "kr_measured": 0.18}
+    point = {"rel_score": 0.9, "answer_nll": 1.08, "answer_nll_delta": 0.43, "kr_measured": 0.18}
+    assert {c.metric for c in compare(base, point, 0.02) if c.regressed} == {"answer_nll", "answer_nll_delta"}
+    shown = compare(base, point, 0.02, paired=["answer_nll"])
+    assert [c.metric for c in shown if c.gated] == ["kr_measured", "rel_score"]
+    text = RegressReport("models:/x@candidate", "3", "the champion", shown, paired=[bad]).text()
+    assert "FAIL - 1 regression(s) in 3 metrics" in text and "above +0.0500" in text
 
 
 def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():

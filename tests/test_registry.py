@@ -336,6 +336,33 @@ def test_promotion_judges_scores_on_the_same_samples_when_given_paired_differenc
     assert not d4b.promoted and d4b.paired == [] and d4b.paired_note == ""
 
 
+def test_promotion_refuses_a_candidate_whose_right_answers_became_less_likely(store, tmp_path):
+    suite = {"suite": "unit"}
+    reg = lambda i: store.register_codec(make_codec(tmp_path / f"c{i}", seed=i), suite=suite,  # noqa: E731
+                                         metrics={"rel_score": 0.9, "kr_measured": 0.2})
+    v1 = reg(1)
+    assert store.promote_if_not_worse(v1.name, "1").promoted
+    same = _paired(0.0, -0.1, 0.1)  # the scores tie on the same samples...
+    nll = lambda d, lo, hi: [{**_paired(d, lo, hi)[0], "quantity": "answer_nll"}]  # noqa: E731
+    reg(2)
+    d2 = store.promote_if_not_worse(v1.name, "2", paired=same + nll(0.30, 0.20, 0.40), paired_champion="1")
+    assert not d2.promoted and "answer_nll at 2048 tokens +0.3000 nats/token above" in d2.reason
+    assert "wholly above +0.05" in d2.reason and "paired answer_nll ctx2048" in d2.text()
+    assert "no 95% interval of answer_nll" in d2.text()
+    # ...an interval reaching below the tolerance is noise
+    d2b = store.promote_if_not_worse(v1.name, "2", paired=same + nll(0.04, -0.02, 0.10), paired_champion="1")
+    assert d2b.promoted and "answer_nll paired 95% CI lower bound(s) -0.0200 at 2048 <= +0.05" in d2b.reason
+    # the clause is off without a tolerance; NLL evidence alone leaves rel_score to the point clause, and says so
+    reg(3)
+    d3 = store.promote_if_not_worse(v1.name, "3", store.PromotionRule(answer_nll_tol=None),
+                                    paired=same + nll(0.30, 0.20, 0.40), paired_champion="2")
+    assert d3.promoted, d3.reason
+    reg(4)
+    d4 = store.promote_if_not_worse(v1.name, "4", paired=nll(0.0, -0.1, 0.1), paired_champion="3",
+                                    paired_note="no paired comparison of scores")
+    assert d4.promoted and "rel_score judged by the point clause: no paired comparison of scores" in d4.text()
+
+
 def test_the_champion_baseline_comes_with_its_stored_predictions(store, tmp_path):
     """The pieces the retrain flow and bench-regress chain: the champion's stored predictions, a paired
     judgement against a candidate's, and the registry's decision on it (no model: predictions written by hand)."""
