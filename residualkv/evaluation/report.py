@@ -83,35 +83,66 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
+def _panel_rows(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, str | None]]:
+    """(value key, y label, interval key) of each row of panels the rows have figures for."""
+    if any(r.get("rel_score") is not None for r in rows):
+        out = [("rel_score", "rel. score (x full cache; 95% CI)", "rel_score_ci")]
+    elif any(r.get("score") is not None for r in rows):
+        out = [("score", "score (string match)", None)]
+    else:
+        out = [("ppl", "perplexity", None)]
+    if any(r.get("answer_nll_delta") is not None for r in rows):
+        out.append(("answer_nll_delta", "answer NLL - full cache\n(nats/token; 95% CI; lower is better)",
+                    "answer_nll_delta_ci"))
+    return out
+
+
 def plot_score_vs_kr(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Score (perplexity when there are no task scores) against measured KR: one panel per context length,
-    one labelled point per method."""
+    """Quality against measured KR: a column of panels per context length; the top row is the rel. score
+    (the score, or perplexity, where there is none), the bottom one, when the rows carry it, the answer NLL
+    minus the full cache's. Paired 95% intervals as error bars; one colour per method, named in the legend
+    (labels beside the points overlap where methods sit at the same bytes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    use_score = any(r.get("score") is not None for r in rows)
-    key, label = ("score", "score (string match, %)") if use_score else ("ppl", "perplexity")
+    panels = _panel_rows(rows)
     lengths = list(dict.fromkeys(r.get("context_len") for r in rows))
-    colour = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows))}
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4.2), squeeze=False, sharey=use_score)
-    for ax, L in zip(axes[0], lengths):
-        pts = [r for r in rows if r.get("context_len") == L and r.get(key) is not None and r.get("kr_measured") is not None]
-        pts.sort(key=lambda r: r["kr_measured"])
-        for i, r in enumerate(pts):
-            x, y = 100 * r["kr_measured"], (100 * r[key] if use_score else r[key])
-            ax.scatter([x], [y], s=46, zorder=3, color=colour[r["method"]])
-            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 6 if i % 2 == 0 else -12), fontsize=8)
-        ax.set_title(f"{L} tokens" if L else "prompts as given", fontsize=10)
-        ax.set_xlabel("measured KR (% of FP16 full-cache bytes)")
-        ax.set_xlim(0, 108)
-        if use_score:
-            ax.set_ylim(-3, 105)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(label)
-    fig.suptitle(f"{'score' if use_score else 'perplexity'} vs measured KV-cache bytes", fontsize=11)
-    fig.tight_layout()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colour = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    marker = {m: "osD^v<>ph*"[(i // 10) % 10] for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(len(panels), len(lengths), figsize=(5.2 * len(lengths) + 1.7, 3.8 * len(panels)),
+                             squeeze=False, sharex=True)
+    for col, L in enumerate(lengths):
+        for row, (key, label, ci_key) in enumerate(panels):
+            ax = axes[row][col]
+            for r in rows:
+                if r.get("context_len") != L or r.get(key) is None or r.get("kr_measured") is None:
+                    continue
+                x, y = 100 * r["kr_measured"], float(r[key])
+                ci = r.get(ci_key) if ci_key else None
+                yerr = [[max(0.0, y - ci[0])], [max(0.0, ci[1] - y)]] if ci else None
+                ax.errorbar([x], [y], yerr=yerr, fmt=marker[r["method"]], ms=7, capsize=3, zorder=3,
+                            color=colour[r["method"]], label=r["method"])
+            if key in ("rel_score", "answer_nll_delta"):
+                ax.axhline(1.0 if key == "rel_score" else 0.0, color="0.5", lw=0.8, ls="--", zorder=1)
+            if row == 0:
+                ax.set_title(f"{L} tokens" if L else "prompts as given", fontsize=10)
+            if row == len(panels) - 1:
+                ax.set_xlabel("measured KR (% of FP16 full-cache bytes)")
+            if col == 0:
+                ax.set_ylabel(label)
+            ax.set_xlim(0, 108)
+            ax.grid(alpha=0.3)
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=8, frameon=False)
+    fig.suptitle("quality vs measured KV-cache bytes", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
