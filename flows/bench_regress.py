@@ -184,7 +184,8 @@ def _log(report: RegressReport, mv, tolerance: float, nll_tolerance: float) -> N
     c = client()
     run = retrying(c.create_run, experiment_id(), run_name=f"bench-regress-{mv.name}-v{mv.version}",
                    tags={"rkv.kind": "bench-regress", "model": mv.name, "version": str(mv.version),
-                         "rkv.tolerance": str(tolerance), "rkv.nll_tolerance": str(nll_tolerance), "rkv.passed": str(report.passed).lower()})
+                         "rkv.tolerance": str(tolerance), "rkv.nll_tolerance": str(nll_tolerance),
+                         "rkv.passed": str(report.passed).lower()})
     now = int(time.time() * 1000)
     metrics = [Metric(k, v, now, 0) for k, v in report.measured.items() if math.isfinite(v)]
     for p in report.paired:

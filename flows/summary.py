@@ -15,6 +15,8 @@ def _fmt(value: Any, kind: str = "num") -> str:
         return f"{100 * value:.1f}%"
     if kind == "int":
         return f"{int(value)}"
+    if kind == "signed":
+        return f"{value:+.3f}"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -37,14 +39,10 @@ def backbone_table(bench_rows: Sequence[Mapping[str, Any]], speed_rows: Sequence
         s = speed.get((r["method"], r.get("context_len"))) or best_speed.get(r["method"])
         rows.append([r["method"], _fmt(r.get("context_len"), "int"), _fmt(r.get("kr_measured"), "pct"),
                      _fmt(r.get("kr_formula"), "pct"), _fmt(r.get("cr"), "pct"), _fmt(r.get("score"), "pct"),
-                     _fmt(r.get("rel_score")), _signed(r.get("answer_nll_delta")), _fmt(r.get("ppl_rel")),
+                     _fmt(r.get("rel_score")), _fmt(r.get("answer_nll_delta"), "signed"), _fmt(r.get("ppl_rel")),
                      f"{s['decode_tok_s']:.1f} @{s['context_len']}" if s else "-"])
     return table(["method", "ctx", "KR meas.", "KR formula", "CR", "score", "rel. score", "ans. NLL-full",
                   "ppl/full", "decode tok/s (CPU)"], rows)
-
-
-def _signed(x: Any) -> str:
-    return "-" if x is None else f"{x:+.3f}"
 
 
 def pipeline_summary(result: Mapping[str, Any]) -> str:
