@@ -193,6 +193,36 @@ def test_rec_only_ablation_and_rec_reductions(tmp_path, packed):
     assert summary["loss"] == "rec" and all(row[3] == 0.0 for row in summary["loss_history"])  # ntp column
 
 
+def test_a_codec_carrying_a_serving_window_trains_and_is_scored_without_it(tmp_path, packed):
+    """recent_window is a serving setting: a codec whose config holds one (a backbone YAML may set it)
+    trains, warm-starts and is scored exactly as without it, and is saved still carrying it."""
+    from residualkv.training.warmstart import residual_pairs, warm_start
+
+    model = tiny_model()
+    freeze_backbone(model)
+    plain, windowed = tiny_codec(model), tiny_codec(model)
+    windowed.config = windowed.config.replace(recent_window=16)
+    ids = torch.tensor(packed.train[0:2]["input_ids"])
+    for reading in ("reconstructed", "served"):
+        torch.manual_seed(3)
+        a = _objective_on_reading(model, plain, ids, reading)
+        torch.manual_seed(3)
+        assert _objective_on_reading(model, windowed, ids, reading) == a  # bit-equal: the window is not read
+    kv = torch.randn(2, SEQ, plain.dims.d_kv)
+    assert all(torch.equal(x, y) for x, y in zip(residual_pairs(kv, plain.config), residual_pairs(kv, windowed.config)))
+    blocks = torch.tensor(packed.train[0:2]["input_ids"])
+    assert (warm_start(model, plain, blocks, steps=3, progress=False)["warmstart/rec_mse_first"]
+            == warm_start(model, windowed, blocks, steps=3, progress=False)["warmstart/rec_mse_first"])
+    result = train_codec(model, windowed, packed.train, tmp_path / "run", fast(steps=2, eval_blocks=1),
+                         heldout_data=packed.heldout, progress=False)
+    assert ResidualCodec.load(result.codec_path, model_config=model.config).config.recent_window == 16
+
+
+def _objective_on_reading(model, codec, ids, reading):
+    with torch.no_grad():
+        return {k: float(v) for k, v in CodecObjective(model, codec, fast(reading=reading))(ids).items()}
+
+
 def test_mlp_checkpointing_keeps_the_cache_and_the_gradients(packed):
     ids = torch.tensor(packed.train[0:1]["input_ids"])
     grads = []

@@ -102,7 +102,7 @@ class _PairRecorder(LayerCodec):
 def residual_pairs(kv: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv, mean_ref) of every coded token of the sequences kv [N, T, d], through the cache's own write path."""
     rec = _PairRecorder(kv.shape[-1])
-    cfg = config.replace(mode="standalone")
+    cfg = config.replace(mode="standalone", recent_window=0)  # every token coded, as trained_reading
     with torch.no_grad():
         for seq in kv.split(1):
             ResidualStore(rec, cfg, ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha)).write(seq)
@@ -198,7 +198,7 @@ def warm_start(model, codec: ResidualCodec, blocks: torch.Tensor, *, steps: int,
 
     t0 = time.monotonic()
     kv = capture_kv(model, blocks, codec.layer_ids)
-    cfg = codec.config.replace(mode="standalone")
+    cfg = codec.config.replace(mode="standalone", recent_window=0)  # code every token, as trained_reading
     params = [p for p in codec.parameters() if p.requires_grad]
     if not params:  # the identity codec has nothing to fit
         return {"warmstart/steps": 0}
