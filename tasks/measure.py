@@ -75,6 +75,7 @@ def measure_kr_cr(backbone_ref: str, codec_dir: str | None, config: dict[str, An
                              "kr_formula": rep.get("kr_formula", rep["kr_measured"]), "cr": rep["cr"],
                              "total_bytes": rep.get("total_bytes"), "fp16_bytes": rep.get("fp16_bytes"),
                              "kr_gap_unexplained": rep.get("unexplained"),
+                             "kr_window": (rep.get("gap") or {}).get("recent_window_fp16", 0.0),
                              "kr_gap": json.dumps(rep.get("gap") or {}, sort_keys=True)})
         (folder / "kr_cr.json").write_text(json.dumps(rows, indent=2))
         return {"rows": rows, "beta": beta, "full_attention_layers": list(base.full_attention_layers),

@@ -155,7 +155,7 @@ def test_pandera_failure_stops_the_flow_and_registers_nothing(smoke, store):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
     assert "KR/CR table failed validation - nothing was registered." in out
-    assert "|kr_measured - kr_formula| <= 1e-06 (ResidualKV methods)" in out and "residualkv-dagger" in out
+    assert "|kr_measured - kr_window - kr_formula| <= 1e-06 (ResidualKV methods)" in out and "residualkv-dagger" in out
     assert len(store.list_versions("rkv-tiny-llama")) == before  # nothing registered
     runs = client().search_runs([rkv_env_experiment()], "tags.profile = 'smoke-strict'")
     assert runs and runs[0].info.status == "FAILED"
@@ -421,6 +421,11 @@ def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():
     kr = validate_kr_cr([dict(ok, rel_score_ci_lo=0.3, rel_score_ci_hi=0.7)], methods=["residualkv"],
                         beta=0.0, kr_tol=1e-3)
     assert len(kr) == 1
+    # an FP16 recent window's bytes are explained by kr_window, not charged against the formula
+    windowed = dict(row, method="residualkv-standalone-w48", kr_measured=0.25)
+    with pytest.raises(TableValidationError, match="kr_window"):
+        validate_kr_cr([windowed], methods=[windowed["method"]], beta=0.0, kr_tol=1e-3)
+    assert len(validate_kr_cr([dict(windowed, kr_window=0.05)], methods=[windowed["method"]], beta=0.0, kr_tol=1e-3)) == 1
 
 
 def test_a_paired_promotion_rule_reads_both_sides_predictions_in_the_flow(smoke, store):
