@@ -684,3 +684,17 @@ def test_mean_difference_by_hand():
     assert d["ci"][0] <= d["difference"] <= d["ci"][1] and 0 <= d["p_a_lower"] <= 1
     one = mean_difference(recs[:2], "A", "B", sample_key)  # one sample: a point, no interval
     assert one["difference"] == 0.5 and one["ci"] is None
+
+
+def test_plot_zooms_the_kr_axis_onto_the_compressed_methods(tmp_path):
+    from residualkv.evaluation.report import kr_axis, plot_score_vs_kr
+
+    rows = [{"method": "full", "context_len": 2048, "kr_measured": 1.0, "rel_score": 1.0, "answer_nll_delta": 0.0},
+            {"method": "kivi2", "context_len": 2048, "kr_measured": 0.196, "rel_score": 0.3, "rel_score_ci": [0.1, 0.6],
+             "answer_nll_delta": 0.8, "answer_nll_delta_ci": [0.7, 0.9]},
+            {"method": "residualkv", "context_len": 2048, "kr_measured": 0.215, "rel_score": 0.6}]
+    lo, hi, full_off = kr_axis(rows)
+    assert full_off and lo == 15.0 and 21.5 < hi < 25  # both methods inside, a point apart still visible
+    assert plot_score_vs_kr(rows, tmp_path / "p.png").stat().st_size > 0
+    # a method near the full cache's bytes (OmniKV on FP16) keeps the whole axis, full cache drawn as a point
+    assert kr_axis(rows + [{"method": "omnikv", "context_len": 2048, "kr_measured": 1.0, "rel_score": 1.0}]) == (0.0, 108.0, False)

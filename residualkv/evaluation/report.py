@@ -97,17 +97,29 @@ def _panel_rows(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, str | No
     return out
 
 
+def kr_axis(rows: Sequence[dict[str, Any]]) -> tuple[float, float, bool]:
+    """The plot's KR axis: (lower and upper limit in %, whether the full cache is left off it). When every
+    other method holds under 60% of the bytes, the axis spans just them (from a multiple of 5 below), so
+    methods a point of KR apart do not share one column of pixels; the full cache's values are then
+    dashed lines across it."""
+    others = [100 * r["kr_measured"] for r in rows if r["method"] != "full" and r.get("kr_measured") is not None]
+    if others and max(others) < 60:
+        return 5.0 * math.floor(0.9 * min(others) / 5), 1.06 * max(others) + 0.5, True
+    return 0.0, 108.0, False
+
+
 def plot_score_vs_kr(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Quality against measured KR: a column of panels per context length; the top row is the rel. score
     (the score, or perplexity, where there is none), the bottom one, when the rows carry it, the answer NLL
     minus the full cache's. Paired 95% intervals as error bars; one colour per method, named in the legend
-    (labels beside the points overlap where methods sit at the same bytes)."""
+    (labels beside the points overlap where methods sit at the same bytes). The KR axis is `kr_axis`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = _panel_rows(rows)
+    x_lo, x_hi, full_off_axis = kr_axis(rows)
     lengths = list(dict.fromkeys(r.get("context_len") for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colour = {m: f"C{i % 10}" for i, m in enumerate(methods)}
@@ -121,6 +133,9 @@ def plot_score_vs_kr(rows: Sequence[dict[str, Any]], path: Path) -> Path:
                 if r.get("context_len") != L or r.get(key) is None or r.get("kr_measured") is None:
                     continue
                 x, y = 100 * r["kr_measured"], float(r[key])
+                if full_off_axis and r["method"] == "full":  # its value as a line across the zoomed axis
+                    ax.axhline(y, color="0.5", lw=0.8, ls="--", zorder=1, label="full cache (KR 100%)")
+                    continue
                 ci = r.get(ci_key) if ci_key else None
                 yerr = [[max(0.0, y - ci[0])], [max(0.0, ci[1] - y)]] if ci else None
                 ax.errorbar([x], [y], yerr=yerr, fmt=marker[r["method"]], ms=7, capsize=3, zorder=3,
@@ -133,7 +148,7 @@ def plot_score_vs_kr(rows: Sequence[dict[str, Any]], path: Path) -> Path:
                 ax.set_xlabel("measured KR (% of FP16 full-cache bytes)")
             if col == 0:
                 ax.set_ylabel(label)
-            ax.set_xlim(0, 108)
+            ax.set_xlim(x_lo, x_hi)
             ax.grid(alpha=0.3)
     handles = {}
     for ax in axes.flat:
