@@ -65,9 +65,9 @@ def _losses(result_codec_path):
     return meta["extra"]["training"]
 
 
-def _objective_on(model, codec, ids):
+def _objective_on(model, codec, ids, **config):
     with torch.no_grad():
-        return {k: float(v) for k, v in CodecObjective(model, codec, fast())(ids).items()}
+        return {k: float(v) for k, v in CodecObjective(model, codec, fast(**config))(ids).items()}
 
 
 def test_loss_decreases_and_codec_is_saved(tmp_path, packed):
@@ -205,9 +205,9 @@ def test_a_codec_carrying_a_serving_window_trains_and_is_scored_without_it(tmp_p
     ids = torch.tensor(packed.train[0:2]["input_ids"])
     for reading in ("reconstructed", "served"):
         torch.manual_seed(3)
-        a = _objective_on_reading(model, plain, ids, reading)
+        a = _objective_on(model, plain, ids, reading=reading)
         torch.manual_seed(3)
-        assert _objective_on_reading(model, windowed, ids, reading) == a  # bit-equal: the window is not read
+        assert _objective_on(model, windowed, ids, reading=reading) == a  # bit-equal: the window is not read
     kv = torch.randn(2, SEQ, plain.dims.d_kv)
     assert all(torch.equal(x, y) for x, y in zip(residual_pairs(kv, plain.config), residual_pairs(kv, windowed.config)))
     blocks = torch.tensor(packed.train[0:2]["input_ids"])
@@ -216,11 +216,6 @@ def test_a_codec_carrying_a_serving_window_trains_and_is_scored_without_it(tmp_p
     result = train_codec(model, windowed, packed.train, tmp_path / "run", fast(steps=2, eval_blocks=1),
                          heldout_data=packed.heldout, progress=False)
     assert ResidualCodec.load(result.codec_path, model_config=model.config).config.recent_window == 16
-
-
-def _objective_on_reading(model, codec, ids, reading):
-    with torch.no_grad():
-        return {k: float(v) for k, v in CodecObjective(model, codec, fast(reading=reading))(ids).items()}
 
 
 def test_mlp_checkpointing_keeps_the_cache_and_the_gradients(packed):

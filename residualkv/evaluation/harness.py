@@ -44,11 +44,11 @@ import torch
 from .. import accounting
 from ..snapkv import SnapKVCache, snapkv_report
 from .perplexity import cache_perplexity, heldout_ids
+from .report import REFERENCE
 from .samples import Sample, encode_prompt, generation_budget, gold_answer_ids
 from .scoring import score as score_prediction
 from .stats import mean_difference, rel_score_interval
 
-REFERENCE = "full"
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix: -rNN selects NN% of the history per decode step
 # (residualkv-r15, omnikv-r15; residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers, the

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 CONTRACT = ("method", "kr_measured", "cr", "score", "rel_score")
+REFERENCE = "full"  # the method every score is relative to
 
 
 def scalar_columns(row: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +103,7 @@ def kr_axis(rows: Sequence[dict[str, Any]]) -> tuple[float, float, bool]:
     other method holds under 60% of the bytes, the axis spans just them (from a multiple of 5 below), so
     methods a point of KR apart do not share one column of pixels; the full cache's values are then
     dashed lines across it."""
-    others = [100 * r["kr_measured"] for r in rows if r["method"] != "full" and r.get("kr_measured") is not None]
+    others = [100 * r["kr_measured"] for r in rows if r["method"] != REFERENCE and r.get("kr_measured") is not None]
     if others and max(others) < 60:
         return 5.0 * math.floor(0.9 * min(others) / 5), 1.06 * max(others) + 0.5, True
     return 0.0, 108.0, False
@@ -133,7 +134,7 @@ def plot_score_vs_kr(rows: Sequence[dict[str, Any]], path: Path) -> Path:
                 if r.get("context_len") != L or r.get(key) is None or r.get("kr_measured") is None:
                     continue
                 x, y = 100 * r["kr_measured"], float(r[key])
-                if full_off_axis and r["method"] == "full":  # its value as a line across the zoomed axis
+                if full_off_axis and r["method"] == REFERENCE:  # its value as a line across the zoomed axis
                     ax.axhline(y, color="0.5", lw=0.8, ls="--", zorder=1, label="full cache (KR 100%)")
                     continue
                 ci = r.get(ci_key) if ci_key else None
