@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
 from .packing import insert_recalls
+from .warmstart import coding_config
 
 LOSSES = ("rec+ntp", "rec", "ntp", "rec+kd")
 # how the next-token loss reads the cache: "reconstructed" (the seed's: one teacher-forced forward, every
@@ -158,16 +159,15 @@ def _check(ok: bool, name: str, value: Any, fix: str) -> None:
 def trained_reading(codec: ResidualCodec):
     """The cache config a codec is teacher-force-evaluated with (and trained with under the seed's reading):
     standalone (the paper trains the codec reconstructing every token, whatever mode serves it), the
-    sequence's own tokens included, and no FP16 recent window: a window is a serving setting a codec's
-    config may carry (it would hide the codec's error on the newest tokens from the loss)."""
-    return codec.config.replace(mode="standalone", new_kv="reconstructed", recent_window=0)
+    sequence's own tokens included, and no FP16 recent window (`coding_config`)."""
+    return coding_config(codec.config).replace(new_kv="reconstructed")
 
 
 def served_reading(codec: ResidualCodec):
     """The cache config of reading 'served': a forward call's own tokens read exact (a prompt prefill, or a
     chunk after it), the history written by earlier calls read back from the compressed store (all of
-    it: no FP16 recent window, as in `trained_reading`)."""
-    return codec.config.replace(mode="standalone", new_kv="exact", recent_window=0)
+    it: no FP16 recent window, `coding_config`)."""
+    return coding_config(codec.config).replace(new_kv="exact")
 
 
 def served_split(seq_len: int) -> int:

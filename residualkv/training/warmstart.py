@@ -99,10 +99,17 @@ class _PairRecorder(LayerCodec):
         return kv - mean_ref
 
 
+def coding_config(config):
+    """The cache config training codes with: standalone (every token reconstructed, whatever mode serves
+    the codec) and no FP16 recent window, a serving setting a codec's config may carry that would hide
+    the codec's error on the newest tokens from the loss."""
+    return config.replace(mode="standalone", recent_window=0)
+
+
 def residual_pairs(kv: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv, mean_ref) of every coded token of the sequences kv [N, T, d], through the cache's own write path."""
     rec = _PairRecorder(kv.shape[-1])
-    cfg = config.replace(mode="standalone", recent_window=0)  # every token coded, as trained_reading
+    cfg = coding_config(config)
     with torch.no_grad():
         for seq in kv.split(1):
             ResidualStore(rec, cfg, ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha)).write(seq)
@@ -198,7 +205,7 @@ def warm_start(model, codec: ResidualCodec, blocks: torch.Tensor, *, steps: int,
 
     t0 = time.monotonic()
     kv = capture_kv(model, blocks, codec.layer_ids)
-    cfg = codec.config.replace(mode="standalone", recent_window=0)  # code every token, as trained_reading
+    cfg = coding_config(codec.config)
     params = [p for p in codec.parameters() if p.requires_grad]
     if not params:  # the identity codec has nothing to fit
         return {"warmstart/steps": 0}
