@@ -42,6 +42,10 @@ class RopeTable:
 
     def __init__(self, rotary: nn.Module):
         self.rotary = rotary
+        # every compressed layer of a decode step asks for the same positions (the whole history, or one
+        # selection shared by a run of sparse layers): the last answer is kept and handed out again when
+        # the positions are equal, instead of rebuilding cos/sin over the history in every layer
+        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "RopeTable":
@@ -62,7 +66,14 @@ class RopeTable:
 
     @torch.no_grad()
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [B, T] integer -> cos, sin [B, T, D] in `dtype`."""
+        """positions: [B, T] integer -> cos, sin [B, T, D] in `dtype`. Callers must not write into them."""
+        positions = positions.long()
+        last = self._last
+        if (last is not None and last[1] == dtype and last[0].shape == positions.shape
+                and last[0].device == positions.device and torch.equal(last[0], positions)):
+            return last[2]
         probe = torch.empty(0, dtype=dtype, device=positions.device)
         self.rotary.to(positions.device)
-        return self.rotary(probe, positions.long())
+        out = self.rotary(probe, positions)
+        self._last = (positions, dtype, out)
+        return out

@@ -186,6 +186,20 @@ def test_unrotate_rerotate_exact(scaling):
     torch.testing.assert_close(apply_rope(invert_rope(rotated, cos, sin), cos, sin), rotated, rtol=1e-6, atol=1e-6)
 
 
+def test_rope_table_hands_out_its_last_cos_sin_again_for_equal_positions():
+    """Every compressed layer of a decode step asks for the same positions: built once, equal to a fresh build."""
+    table = RopeTable.from_config(tiny_llama_config())
+    pos = torch.tensor([[0, 1, 7, 100]])
+    cos, sin = table.cos_sin(pos, torch.float32)
+    again = table.cos_sin(pos.clone().to(torch.int32), torch.float32)
+    assert again[0] is cos and again[1] is sin
+    moved = table.cos_sin(pos + 1, torch.float32)
+    fresh = RopeTable.from_config(tiny_llama_config()).cos_sin(pos + 1, torch.float32)
+    assert moved[0] is not cos and torch.equal(moved[0], fresh[0]) and torch.equal(moved[1], fresh[1])
+    assert table.cos_sin(pos + 1, torch.float64)[0].dtype == torch.float64
+    assert table.cos_sin(pos[:, :3], torch.float32)[0].shape == (1, 3, 16)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="bits=3"):
         ResidualKVConfig(bits=3)
