@@ -31,8 +31,10 @@ attention function, the cache only to `cache.update`; the hand-off between the t
   at the returned slots (and masks padding columns); "score" -> attends densely and stores I_t on
   the controller; "snap" -> attends densely and evicts; "kivi" (`FusedFullDecode`, any mode, where the
   kernels run) -> the cache returned zero-length K/V and the function attends over the full layer's
-  packed stores with kernels/kivi_attention.py. With no hand-off it is exactly transformers' SDPA, so
-  installing it on a model changes nothing for other caches.
+  packed stores with kernels/kivi_attention.py; "latent" (`LatentValues`, any mode, decode steps on the
+  torch path) -> the values came back without the decoder's term and the function adds it after the
+  softmax (a "sparse" hand-off can carry the same latents). With no hand-off it is exactly
+  transformers' SDPA, so installing it on a model changes nothing for other caches.
 """
 
 from __future__ import annotations
@@ -58,14 +60,17 @@ ATTN_IMPLEMENTATION = "residualkv_sparse"
 
 @dataclass
 class _Handoff:
-    controller: "SparseController | None"  # None for "kivi"
+    controller: "SparseController | None"  # None for "kivi" and "latent"
     layer_idx: int
-    kind: str  # "score" | "sparse" | "snap" | "kivi"
+    kind: str  # "score" | "sparse" | "snap" | "kivi" | "latent"
     key: torch.Tensor  # the K tensor cache.update returned: the attention call must receive this object
     slots: torch.Tensor | None  # "sparse": [B, L] mask column of each returned K column, -1 = padding
     consumed: bool = False
     layer: KiviLayer | None = None  # "kivi": the full-attention layer whose packed stores the kernel reads
     rows: RowLayout | None = None  # "kivi": its row groups (one store per group)
+    # "latent", or a "sparse" read whose values came back latent: (Z [B, 1, L, d_c], W_v [Hkv·D, d_c]),
+    # the attention adds (P Z) W_v^T to P V (LatentValues)
+    latent: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 _HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
@@ -183,28 +188,31 @@ class SparseController:
         self.decode = n_new == 1 and s0 > 0
         self.prompt = s0 == 0
 
-    def update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+    def update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, latent: bool = False):
+        """The layer's K, V (and Z where its values come back latent, see LatentValues)."""
         self._check_pending()
         layer, rows = self.cache.layers[layer_idx], self.cache.rows
         if self.cfg.mode == "omnikv":
             if self.decode and layer_idx not in self.filters and self.selection is not None:
-                k, v, slots = layer.update_selected(key_states, value_states, rows, self.selection)
-                self._hand(layer_idx, "sparse", k, slots)
-                return k, v
-            k, v = layer.update(key_states, value_states, rows)
+                return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, self.selection,
+                                                                     latent=latent))
+            out = layer.update(key_states, value_states, rows, latent=latent)
             if self.decode and layer_idx in self.choosers:
-                self._hand(layer_idx, "score", k, None)
-            return k, v
+                self._hand(layer_idx, "score", out[0], None)
+            return out
         # snapkv
         if isinstance(layer, ResidualLayer) and layer_idx in self.evicted:
             select = [store.visible_ordinals() for store in layer.stores]
-            k, v, slots = layer.update_selected(key_states, value_states, rows, select)
-            self._hand(layer_idx, "sparse", k, slots)
-            return k, v
-        k, v = layer.update(key_states, value_states, rows)
+            return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, select, latent=latent))
+        out = layer.update(key_states, value_states, rows, latent=latent)
         if self.prompt and isinstance(layer, ResidualLayer):
-            self._hand(layer_idx, "snap", k, None)
-        return k, v
+            self._hand(layer_idx, "snap", out[0], None)
+        return out
+
+    def _sparse(self, layer_idx: int, read: tuple) -> tuple:
+        *out, slots = read
+        self._hand(layer_idx, "sparse", out[0], slots)
+        return tuple(out)
 
     # -- called by the attention function --
 
@@ -319,9 +327,8 @@ def _kivi_attention(module, query: torch.Tensor, h: _Handoff, kwargs: dict) -> t
     """Decode attention of one KIVI layer on its packed stores -> [B, 1, Hq, D] (the layout transformers'
     attention functions return). Each row group attends over its own store, which holds exactly that
     group's real tokens, so the padding mask needs no columns; a one-token query needs no causal mask."""
-    if kwargs.get("dropout") or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError("the fused KIVI decode attention supports plain softmax attention only (no dropout, "
-                         "soft-capping or sliding window); build the cache with kernel_impl='torch' for this model")
+    _plain_softmax_only(kwargs, "the fused KIVI decode attention",
+                        "build the cache with kernel_impl='torch' for this model")
     scale, impl = kwargs.get("scaling"), h.layer.cfg.kernel_impl
     if len(h.layer.stores) == 1:
         out = kivi_decode_attention(query, h.layer.stores[0], scale=scale, impl=impl)
@@ -331,6 +338,69 @@ def _kivi_attention(module, query: torch.Tensor, h: _Handoff, kwargs: dict) -> t
             r = grp.rows.to(query.device)
             out[r] = kivi_decode_attention(query[r], store, scale=scale, impl=impl)
     return out.transpose(1, 2).contiguous()
+
+
+def _plain_softmax_only(kwargs: dict, what: str, fix: str) -> None:
+    if kwargs.get("dropout") or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{what} supports plain softmax attention only (no dropout, soft-capping or sliding "
+                         f"window); {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed layers' values decoded after the softmax
+
+
+class LatentValues:
+    """Decode steps of compressed layers on the torch path apply the values' decoder after the softmax.
+
+    The decoder is linear, so for a query head attending with weights p_i over tokens i whose values are
+    codes (v_i = W_v z_i + m_i, m_i the mean of their references) or whole (references, window and new
+    tokens: v_i as stored, z_i = 0):  o = sum_i p_i v_i = sum_i p_i m_i' + W_v (sum_i p_i z_i).  The cache
+    returns V with m_i in the codes' columns and the latents Z (ResidualStore.read with `latent`); the
+    attention adds (P Z) W_v^T. The W_v product over every token read (half the decoder's GEMM) becomes
+    one d_c x D product per query head; keys are decoded as before (RoPE sits between them and q)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.pending: _Handoff | None = None
+        self.steps = 0  # layer-steps whose values came back latent (tests and benchmarks check the path)
+
+    def check(self) -> None:
+        _check_handed_off(self, "the values' decoder term would be missing from the attention output")
+
+    def hand(self, layer_idx: int, key: torch.Tensor, z: torch.Tensor, sparse: "SparseController | None") -> None:
+        """Give the attention of layer `layer_idx` the latents `z` of the K/V just returned: on the sparse
+        path's own hand-off when there is one for this K, else on a "latent" one."""
+        latent = (z, self.cache.layers[layer_idx].codec.value_decoder())
+        self.steps += 1
+        h = None if sparse is None else sparse.pending
+        if h is not None and h.key is key and not h.consumed:
+            h.latent = latent
+        else:
+            _hand_off(self, _Handoff(None, layer_idx, "latent", key, None, latent=latent))
+
+
+def latent_value_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                           z: torch.Tensor, w_v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """softmax(q K^T·scaling + mask) (V + Z W_v^T) for one query position, computed as P V + (P Z) W_v^T.
+    query [B, Hq, 1, D], key/value [B, Hkv, L, D], mask [B, 1|Hq, 1, L] (bool: True = attend, or additive),
+    z [B, 1, L, d_c], w_v [Hkv·D, d_c] -> [B, 1, Hq, D] (the layout transformers' attention functions return)."""
+    B, Hq, T, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    if T != 1:
+        raise ValueError(f"latent values are read by decode steps (one query position), not {T}")
+    G = Hq // Hkv
+    q = query.float().reshape(B, Hkv, G, D) * (D**-0.5 if scaling is None else scaling)  # head h reads KV head h // G
+    logits = q @ key.float().transpose(-1, -2)  # [B, Hkv, G, L]
+    if mask is not None:
+        m = mask.expand(B, -1, 1, L).reshape(B, -1, L)
+        m = m[:, None] if m.shape[1] == 1 else m.reshape(B, Hkv, G, L)
+        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
+    p = torch.softmax(logits, dim=-1)
+    out = p @ value.float()  # [B, Hkv, G, D]
+    pz = (p.reshape(B, 1, Hq, L) @ z.float()).reshape(B, Hkv, G, -1)  # [B, Hkv, G, d_c]
+    out = out + pz @ w_v.float().reshape(Hkv, D, -1).transpose(-1, -2)
+    return out.reshape(B, Hq, 1, D).transpose(1, 2).to(query.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,8 +416,12 @@ def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs
     _HANDOFF.set(None)
     if h.kind == "kivi":
         return _kivi_attention(module, query, h, kwargs), None
+    mask = gather_mask(attention_mask, h.slots, query) if h.kind == "sparse" else attention_mask
+    if h.latent is not None:
+        _plain_softmax_only(kwargs, "the latent-value decode attention", "set cache.latent = None for this model")
+        return latent_value_attention(query, key, value, mask, *h.latent, kwargs.get("scaling")), None
     if h.kind == "sparse":
-        return sdpa_attention_forward(module, query, key, value, gather_mask(attention_mask, h.slots, query), **kwargs)
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     with torch.no_grad():
         if h.kind == "score":
@@ -388,5 +462,5 @@ def install(model) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "FusedFullDecode", "SparseController", "gather_mask", "install", "omnikv_token_scores", "register",
+__all__ = ["ATTN_IMPLEMENTATION", "FusedFullDecode", "LatentValues", "SparseController", "latent_value_attention", "gather_mask", "install", "omnikv_token_scores", "register",
            "select_tokens", "snapkv_aggregate", "snapkv_head_scores", "snapkv_token_scores", "sparse_attention_forward", "token_budget"]

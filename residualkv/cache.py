@@ -29,7 +29,7 @@ from .config import ConfigError, ResidualKVConfig
 from .growing import Growing, grown
 from .rope import RopeTable, apply_rope, invert_rope
 from .schedule import ReferenceSchedule
-from .stores import DenseStore, KiviStore, ResidualStore, flat_heads, nbytes_of, sum_bytes, unflat_heads
+from .stores import DenseStore, KiviStore, ResidualStore, flat_heads, kernel_reads, nbytes_of, sum_bytes, unflat_heads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,36 +123,40 @@ class _GroupedLayer(CacheLayerMixin):
             sel = slice(None) if len(rows.groups) == 1 else grp.rows
             yield grp, self.stores[gi], sel, key_states[sel, :, lo:], value_states[sel, :, lo:]
 
-    def update(self, key_states, value_states, rows: RowLayout, *args, **kwargs):
+    def reads_latent(self, latent: bool, key_states) -> bool:
+        """Whether this update's read returns its values latent (K, V, Z; see ResidualStore.read): only
+        compressed layers can (ResidualLayer)."""
+        return False
+
+    def update(self, key_states, value_states, rows: RowLayout, *args, latent: bool = False, **kwargs):
+        """Store the step's tokens, read the history: K, V [B, H, slots, D]; with `latent` and where
+        `reads_latent` allows, also Z [B, 1, slots, d_c] (values without the decoder's term)."""
         self.is_initialized = True
         B, H, T, D = key_states.shape
         s0, s1 = self.n_slots, self.n_slots + T
+        latent = self.reads_latent(latent, key_states)
         before = self._decoded()
         outs = []
         for grp, store, sel, k_new, v_new in self._groups(key_states, value_states, rows):
-            k, v = self._write_and_read(store, k_new, v_new, rows.positions[sel, grp.start : s1])
-            outs.append((grp, k, v))
+            outs.append((grp, self._write_and_read(store, k_new, v_new, rows.positions[sel, grp.start : s1], latent=latent)))
         self.n_slots = s1
         self._count(rows, s0, T, before, None)
         if len(outs) == 1 and outs[0][0].start == 0:
-            return outs[0][1], outs[0][2]
-        out_k = key_states.new_zeros(B, H, s1, D)
-        out_v = value_states.new_zeros(B, H, s1, value_states.shape[-1])
-        for grp, k, v in outs:
-            out_k[grp.rows, :, grp.start :] = k
-            out_v[grp.rows, :, grp.start :] = v
-        return out_k, out_v
+            return outs[0][1]
+        return _batch([(grp.rows, ts) for grp, ts in outs], B, s1, right_aligned=True)
 
-    def update_selected(self, key_states, value_states, rows: RowLayout, select: list[torch.Tensor | None]):
+    def update_selected(self, key_states, value_states, rows: RowLayout, select: list[torch.Tensor | None],
+                        latent: bool = False):
         """Like `update`, but group g's history is read only at the ordinals select[g] ([rows of g, S_g],
         sorted; None = all of it): the sparse path of seed §2.7. The new tokens are written as usual
-        and returned after the selected ones. Returns K, V [B, H, L, D] with L = max_g(S_g + new) and
-        `slots` [B, L]: the slot (column of the model's attention mask) each returned column holds,
-        -1 for padding columns, which the attention must mask."""
+        and returned after the selected ones. Returns K, V [B, H, L, D] (and Z, as `update` does) with
+        L = max_g(S_g + new) and `slots` [B, L]: the slot (column of the model's attention mask) each
+        returned column holds, -1 for padding columns, which the attention must mask."""
         self.is_initialized = True
         B, H, T, D = key_states.shape
         s0, s1 = self.n_slots, self.n_slots + T
         dev = key_states.device
+        latent = self.reads_latent(latent, key_states)
         before = self._decoded()
         parts, read = [], 0
         for gi, (grp, store, sel, k_new, v_new) in enumerate(self._groups(key_states, value_states, rows)):
@@ -164,23 +168,20 @@ class _GroupedLayer(CacheLayerMixin):
                 hist = grp.start + ords.to(device=dev, dtype=torch.long)
             pos_all = rows.positions[sel]
             pos = torch.cat([pos_all.gather(1, hist), pos_all[:, first_new:s1]], dim=1)
-            k, v = self._write_and_read(store, k_new, v_new, pos, ordinals=ords)
+            ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, latent=latent)
             slots = torch.cat([hist, torch.arange(first_new, s1, device=dev).expand(n_rows, -1)], dim=1)
-            parts.append((grp, k, v, slots))
+            parts.append((grp, ts, slots))
             read += n_rows * hist.shape[1]
         self.n_slots = s1
         self._count(rows, s0, T, before, read)
         if len(parts) == 1:
-            return parts[0][1], parts[0][2], parts[0][3]
-        L = max(k.shape[2] for _, k, _, _ in parts)
-        out_k = key_states.new_zeros(B, H, L, D)
-        out_v = value_states.new_zeros(B, H, L, value_states.shape[-1])
+            return (*parts[0][1], parts[0][2])
+        L = max(slots.shape[1] for _, _, slots in parts)
+        out = _batch([(grp.rows, ts) for grp, ts, _ in parts], B, L, right_aligned=False)
         out_s = torch.full((B, L), -1, dtype=torch.long, device=dev)
-        for grp, k, v, slots in parts:
-            out_k[grp.rows, :, : k.shape[2]] = k
-            out_v[grp.rows, :, : k.shape[2]] = v
-            out_s[grp.rows, : k.shape[2]] = slots
-        return out_k, out_v, out_s
+        for grp, _, slots in parts:
+            out_s[grp.rows, : slots.shape[1]] = slots
+        return (*out, out_s)
 
     def write(self, key_states, value_states, rows: RowLayout) -> None:
         """Store a step's tokens without reading the history back (the fused KIVI decode attention
@@ -229,6 +230,17 @@ class _GroupedLayer(CacheLayerMixin):
         raise ValueError("selecting batch rows is not supported by the ResidualKV cache")
 
 
+def _batch(parts: list[tuple[torch.Tensor, tuple]], B: int, L: int, right_aligned: bool) -> tuple:
+    """Row groups' reads (batch rows, tensors [rows, X, l, F]) -> tensors [B, X, L, F], each group's l
+    columns at the end (`right_aligned`: slot order, padding first) or at the start; zeros elsewhere."""
+    out = [t.new_zeros(B, t.shape[1], L, t.shape[-1]) for t in parts[0][1]]
+    for rows, ts in parts:
+        for o, t in zip(out, ts):
+            cols = slice(L - t.shape[2], L) if right_aligned else slice(0, t.shape[2])
+            o[rows, :, cols] = t
+    return tuple(out)
+
+
 class ResidualLayer(_GroupedLayer):
     def __init__(self, codec: LayerCodec, cfg: ResidualKVConfig, schedule: ReferenceSchedule, rope: RopeTable):
         self.codec, self.cfg, self.schedule, self.rope = codec, cfg, schedule, rope
@@ -241,17 +253,23 @@ class ResidualLayer(_GroupedLayer):
         store.keep_grad = self.keep_grad
         return store
 
-    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None):
+    def reads_latent(self, latent: bool, key_states) -> bool:
+        # decode steps on the torch path only: prefill attends densely (SDPA), training needs the plain
+        # reading for its gradients, and the fused kernel decodes the values in registers anyway
+        return (latent and key_states.shape[2] == 1 and self.n_slots > 0 and not torch.is_grad_enabled()
+                and self.codec.absorbable and not kernel_reads(self.cfg, key_states))
+
+    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None, latent=False):
         """`pos` holds the RoPE positions of the returned tokens: the history read (all of it, or the
-        tokens at `ordinals` [B, S]) followed by the new tokens."""
+        tokens at `ordinals` [B, S]) followed by the new tokens. Returns K, V (and Z with `latent`)."""
         B, H, T, D = k.shape
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         # the history comes back with its keys rotated (inside the fused reconstruction on the kernel)
         hist_rope = (cos[:, :-T], sin[:, :-T], H)
         if ordinals is None:
-            history = store.read(hist_rope) if store.n else None
+            history = store.read(hist_rope, latent) if store.n else None
         else:
-            history = store.read_selected(ordinals, hist_rope)
+            history = store.read_selected(ordinals, hist_rope, latent)
         k_pre = invert_rope(k.float(), cos[:, -T:], sin[:, -T:])
         kv = torch.cat([flat_heads(k_pre), flat_heads(v.float())], dim=-1)
         new = store.write(kv)
@@ -264,7 +282,12 @@ class ResidualLayer(_GroupedLayer):
             k_hat = apply_rope(k_hat, cos[:, -T:], sin[:, -T:])
         if history is not None:
             k_hat, v_hat = torch.cat([history[0], k_hat], dim=2), torch.cat([history[1], v_hat], dim=2)
-        return k_hat.to(k.dtype), v_hat.to(v.dtype)
+        if not latent:
+            return k_hat.to(k.dtype), v_hat.to(v.dtype)
+        z = k.new_zeros(B, 1, T, self.codec.dims.d_c, dtype=torch.float32)  # the new tokens' values are whole
+        if history is not None:
+            z = torch.cat([history[2], z], dim=2)
+        return k_hat.to(k.dtype), v_hat.to(v.dtype), z
 
     def nbytes(self) -> dict[str, int]:
         return sum_bytes(s.nbytes() for s in self.stores)
@@ -278,7 +301,7 @@ class KiviLayer(_GroupedLayer):
     def _new_store(self) -> KiviStore:
         return KiviStore(self.cfg)
 
-    def _write_and_read(self, store: KiviStore, k, v, pos, ordinals=None):
+    def _write_and_read(self, store: KiviStore, k, v, pos, ordinals=None, latent=False):
         if ordinals is not None:
             raise ValueError("full-attention (KIVI) layers always read their whole history")
         store.write(k, v)
@@ -337,6 +360,7 @@ class ResidualKVCache(Cache):
         super().__init__(layers=layers)
         self.sparse = _controller(self)
         self.fused_full = None  # residualkv.attention.FusedFullDecode, see attach_fused_full_decode (from_model calls it)
+        self.latent = None  # residualkv.attention.LatentValues, see attach_latent_values (from_model calls it)
 
     @classmethod
     def from_model(cls, model, codec: ResidualCodec | None, config: ResidualKVConfig | None = None, **changes):
@@ -354,16 +378,30 @@ class ResidualKVCache(Cache):
                     rope=RopeTable.from_model(model))
         _install_if_sparse(model, config)
         cache.attach_fused_full_decode(model)
+        cache.attach_latent_values(model)
         return cache
 
     def attach_fused_full_decode(self, model) -> None:
         """Decode the full-attention (KIVI) layers on the fused kernel where it runs for `model` (its
         device, plain softmax attention): installs residualkv's attention function on the model."""
-        if self.config.full_attention_layers and _fused_full_decode_ok(model, self.config):
+        if (self.config.full_attention_layers and _plain_softmax(model)
+                and use_triton(self.config.kernel_impl, next(model.parameters()))):
             from .attention import FusedFullDecode, install
 
             install(model)
             self.fused_full = FusedFullDecode(self)
+
+    def attach_latent_values(self, model) -> None:
+        """Let decode steps of compressed layers hand their values over without the decoder's term, which
+        `model`'s attention then applies once per query head (residualkv.attention.LatentValues): where
+        the codec's decoder is linear and the attention plain softmax. Installs residualkv's attention
+        function on the model. Each step still decides (ResidualLayer.reads_latent)."""
+        if (self.codec is not None and any(self.codec.layer(i).absorbable for i in self.codec.layer_ids)
+                and _plain_softmax(model)):
+            from .attention import LatentValues, install
+
+            install(model)
+            self.latent = LatentValues(self)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -371,13 +409,20 @@ class ResidualKVCache(Cache):
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
             if self.sparse is not None:
                 self.sparse.begin_step(key_states.shape[2])
+        if self.latent is not None:
+            self.latent.check()
         if self.fused_full is not None:
             self.fused_full.check()
             if self.fused_full.applies(layer_idx, key_states):
                 return self.fused_full.update(layer_idx, key_states, value_states)
+        latent = self.latent is not None
         if self.sparse is not None:  # omnikv / snapkv: residualkv.attention decides what each layer reads
-            return self.sparse.update(layer_idx, key_states, value_states)
-        return layer.update(key_states, value_states, self.rows)
+            out = self.sparse.update(layer_idx, key_states, value_states, latent)
+        else:
+            out = layer.update(key_states, value_states, self.rows, latent=latent)
+        if len(out) == 3:  # values without the decoder's term: the attention function adds it
+            self.latent.hand(layer_idx, out[0], out[2], self.sparse)
+        return out[0], out[1]
 
     def reset(self):
         super().reset()
@@ -388,6 +433,8 @@ class ResidualKVCache(Cache):
         self.sparse = _controller(self)
         if self.fused_full is not None:
             self.fused_full = type(self.fused_full)(self)
+        if self.latent is not None:
+            self.latent = type(self.latent)(self)
 
     READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool", "new_kv")
 
@@ -409,16 +456,18 @@ class ResidualKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, ResidualLayer):
                 memo[id(layer.rope)] = layer.rope
-        sparse, fused, self.sparse, self.fused_full = self.sparse, self.fused_full, None, None
+        sparse, fused, latent = self.sparse, self.fused_full, self.latent
+        self.sparse = self.fused_full = self.latent = None
         try:
             new = copy.deepcopy(self, memo)
         finally:
-            self.sparse, self.fused_full = sparse, fused
+            self.sparse, self.fused_full, self.latent = sparse, fused, latent
         new.config = cfg
         new.sparse = _controller(new)
         if cfg.mode == "snapkv" and sparse is not None:  # the evicted layers go on reading their survivors only
             new.sparse.evicted = copy.deepcopy(sparse.evicted)
         new.fused_full = type(fused)(new) if fused is not None else None
+        new.latent = type(latent)(new) if latent is not None else None
         return new
 
     def collect_rec_loss(self) -> list[torch.Tensor]:
@@ -473,7 +522,7 @@ class DenseLayer(_GroupedLayer):
     def _new_store(self) -> DenseStore:
         return DenseStore()
 
-    def _write_and_read(self, store: DenseStore, k, v, pos, ordinals=None):
+    def _write_and_read(self, store: DenseStore, k, v, pos, ordinals=None, latent=False):
         had = store.n
         store.write(k, v)
         if ordinals is None:
@@ -501,7 +550,7 @@ class OmniKVCache(ResidualKVCache):
         self.rows = RowLayout(ReferenceSchedule(config.n_sink, config.stride, config.stride_alpha))
         Cache.__init__(self, layers=[DenseLayer() for _ in range(num_layers)])
         self.sparse = _controller(self)
-        self.fused_full = None
+        self.fused_full = self.latent = None
 
     @classmethod
     def from_model(cls, model, config: ResidualKVConfig | None = None, **changes):
@@ -527,15 +576,13 @@ def _install_if_sparse(model, config: ResidualKVConfig) -> None:
         install(model)
 
 
-def _fused_full_decode_ok(model, config: ResidualKVConfig) -> bool:
-    """Whether full-attention layers decode on the fused KIVI kernel: where the kernels run on this
-    model's device and its attention is plain softmax attention (no sliding window, no soft-capping)."""
+def _plain_softmax(model) -> bool:
+    """Whether `model`'s attention is plain softmax attention (no sliding window, no soft-capping): what
+    residualkv's own decode attention (fused KIVI, latent values) computes."""
     cfg = model.config
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         return False
-    if getattr(cfg, "attn_logit_softcapping", None):
-        return False
-    return use_triton(config.kernel_impl, next(model.parameters()))
+    return not getattr(cfg, "attn_logit_softcapping", None)
 
 
 def _position_ids(args, kwargs) -> torch.Tensor | None:

@@ -56,10 +56,23 @@ class LayerCodec(nn.Module):
         dtype = self.w_c1.weight.dtype
         return self.f_c(kv.to(dtype)) - self.f_c(mean_ref.to(dtype))
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, keys_only: bool = False) -> torch.Tensor:
+        """z [..., d_c] -> residual [..., d_kv] (keys ‖ values), or [..., d_kv/2] keys only."""
         if self.dims.kind == "identity":
-            return z
-        return self.w_d(z.to(self.w_d.weight.dtype))
+            return z[..., : self.dims.d_kv // 2] if keys_only else z
+        w = self.w_d.weight[: self.dims.d_kv // 2] if keys_only else self.w_d.weight
+        return F.linear(z.to(w.dtype), w)
+
+    @property
+    def absorbable(self) -> bool:
+        """Whether attention can apply the values' decoder after the softmax (residualkv.attention): the
+        decoder is linear, so sum_i p_i (W_v z_i + m_i) = W_v (sum_i p_i z_i) + sum_i p_i m_i, and the
+        per-token W_v GEMM becomes one per query head. Not for the identity codec: nothing to save."""
+        return self.dims.kind == "swiglu"
+
+    def value_decoder(self) -> torch.Tensor:
+        """W_v [d_kv/2, d_c]: the rows of W_d that decode the values (all KV heads, head-major)."""
+        return self.w_d.weight[self.dims.d_kv // 2 :]
 
 
 class ResidualCodec(nn.Module):

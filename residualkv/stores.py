@@ -48,6 +48,21 @@ def _rotate_rest(kv: torch.Tensor, rope: Rope, rotated: torch.Tensor | None):
     return k, v
 
 
+def kernel_reads(cfg: ResidualKVConfig, like: torch.Tensor) -> bool:
+    """Whether a compressed layer's reads run on the fused reconstruction kernel (else the torch code)."""
+    return use_triton(cfg.kernel_impl, like) and fused_group_ok(cfg.group_size)
+
+
+def _with_latent(kv, rope: Rope | None, rotated, latent: torch.Tensor | None):
+    """A read's return: flat kv, or K, V with `rope`; with `latent` [B, n, d_c] also Z [B, 1, n, d_c]."""
+    if rope is None:
+        if latent is not None:
+            raise ValueError("a latent read returns K, V and Z for attention: pass the tokens' RoPE")
+        return kv
+    k, v = _rotate_rest(kv, rope, rotated)
+    return (k, v) if latent is None else (k, v, latent[:, None])
+
+
 def _row_rope(rope: Rope | None, i: int) -> Rope | None:
     return None if rope is None else (rope[0][i : i + 1], rope[1][i : i + 1], rope[2])
 
@@ -214,13 +229,19 @@ class ResidualStore:
         local[valid] = slot
         return mean_of_refs(table[None], local.reshape(1, B * T, k))[0].reshape(B, T, -1)
 
-    def read(self, rope: Rope | None = None):
+    def read(self, rope: Rope | None = None, latent: bool = False):
         """Reconstruct every stored token (after an eviction: every visible one): [B, n, 2·d_k] float32
         pre-RoPE keys ‖ values; with `rope` = (cos, sin [B, n, D] of the tokens' positions, H heads), the
-        K, V [B, H, n, D] attention reads, keys rotated (on the kernel, inside the fused reconstruction)."""
+        K, V [B, H, n, D] attention reads, keys rotated (on the kernel, inside the fused reconstruction).
+
+        `latent` (with `rope`): the codes' values come back without the decoder's term, V = the mean of
+        their references, and a third tensor Z [B, 1, n, d_c] holds their dequantised latents (zeros for
+        references and window tokens); the true values are V + Z W_v^T, which the attention applies after
+        the softmax (residualkv.attention.LatentValues). Where the fused kernel decodes the codes, it
+        decodes their values too and Z stays zero: still V + Z W_v^T, without the saving."""
         cfg = self.cfg
         if self.ref_ord is not None:
-            return self.read_selected(self.visible_ordinals(), rope)
+            return self.read_selected(self.visible_ordinals(), rope, latent)
         if self.grad_history is not None:  # training: nothing decoded, the kept reconstruction is read
             return self.grad_history if rope is None else _rotate_rest(self.grad_history, rope, None)
         if self.n == 0:
@@ -228,6 +249,7 @@ class ResidualStore:
         like = self._held()
         B, d, dev = like.shape[0], like.shape[-1], like.device
         out = torch.empty(B, self.n, d, device=dev)
+        zs = torch.zeros(B, self.n, self.codec.dims.d_c, device=dev) if latent else None
         coded = torch.arange(self.n, device=dev) < self.n_coded
         is_ref = self.schedule.is_ref(0, self.n).to(dev) & coded
         is_code = ~is_ref & coded
@@ -249,11 +271,22 @@ class ResidualStore:
             else:
                 mean = mean_of_refs(refs, self.ref_idx.long())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
-                out[:, is_code] = self.codec.decode(z).float() + mean
-        return out if rope is None else _rotate_rest(out, rope, rotated)
+                out[:, is_code] = self._decode(z, mean, zs is not None)
+                if zs is not None:
+                    zs[:, is_code] = z
+        return _with_latent(out, rope, rotated, zs)
+
+    def _decode(self, z: torch.Tensor, mean: torch.Tensor, latent: bool) -> torch.Tensor:
+        """Codes' reconstruction from their latents and reference means (torch path); `latent`: the
+        values stay the means (the attention adds W_v z, see `read`)."""
+        if not latent:
+            return self.codec.decode(z).float() + mean
+        dk = mean.shape[-1] // 2
+        mean[..., :dk] += self.codec.decode(z, keys_only=True).float()
+        return mean
 
     def _use_kernel(self) -> bool:
-        return use_triton(self.cfg.kernel_impl, self.refs) and fused_group_ok(self.cfg.group_size)
+        return kernel_reads(self.cfg, self.refs)
 
     def _fuses_rope(self, heads: int) -> bool:
         """The kernel rotates a key head in registers as two [n, D/2] halves: heads up to 128 wide."""
@@ -310,18 +343,19 @@ class ResidualStore:
                 raise IndexError("asked for a token that SnapKV evicted: eviction is irreversible")
         return is_ref, torch.where(is_ref, ridx, cidx)
 
-    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None):
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None, latent: bool = False):
         """Reconstruct only the tokens at `ordinals` [B, S] (each row its own ordinals): selected
         references are read as references; selected codes are dequantised and decoded, and only the
         references their means need are read (each needed reference once). Returns [B, S, 2·d_k]
         float32, equal to the same columns of `read()`; with `rope` (cos, sin [B, S, D], H), K, V
-        [B, H, S, D] with the keys rotated, as `read` does."""
+        [B, H, S, D] with the keys rotated, as `read` does (and Z with `latent`, as `read` does)."""
         cfg = self.cfg
         B, S = ordinals.shape
         like = self._held()
+        zs = torch.zeros(B, S, self.codec.dims.d_c, device=ordinals.device) if latent else None
         if like is None or S == 0:
             out = torch.zeros(B, S, self.codec.dims.d_kv, device=ordinals.device)
-            return out if rope is None else _rotate_rest(out, rope, None)
+            return _with_latent(out, rope, None, zs)
         dev = like.device
         ordinals = ordinals.to(device=dev, dtype=torch.long)
         rows = torch.arange(B, device=dev)[:, None].expand(B, S)
@@ -367,9 +401,11 @@ class ResidualStore:
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             c = self.codes
             z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
-            out[is_code] = self.codec.decode(z).float() + mean
+            out[is_code] = self._decode(z, mean, zs is not None)
+            if zs is not None:
+                zs[is_code] = z
             self.codes_decoded += int(cb.numel())
-        return out if rope is None else _rotate_rest(out, rope, rotated)
+        return _with_latent(out, rope, rotated, zs)
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
@@ -469,11 +505,12 @@ class RowStores:
     def write(self, kv: torch.Tensor) -> torch.Tensor:
         return torch.cat([s.write(kv[i : i + 1]) for i, s in enumerate(self.stores)])
 
-    def read(self, rope: Rope | None = None):
-        return _stack([s.read(_row_rope(rope, i)) for i, s in enumerate(self.stores)])
+    def read(self, rope: Rope | None = None, latent: bool = False):
+        return _stack([s.read(_row_rope(rope, i), latent) for i, s in enumerate(self.stores)])
 
-    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None):
-        return _stack([s.read_selected(ordinals[i : i + 1], _row_rope(rope, i)) for i, s in enumerate(self.stores)])
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None, latent: bool = False):
+        return _stack([s.read_selected(ordinals[i : i + 1], _row_rope(rope, i), latent)
+                       for i, s in enumerate(self.stores)])
 
     def visible_ordinals(self) -> torch.Tensor:
         return torch.cat([s.visible_ordinals() for s in self.stores])

@@ -6,8 +6,8 @@ from transformers import DynamicCache, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from residualkv import accounting
-from residualkv.attention import (ATTN_IMPLEMENTATION, install, select_tokens, snapkv_aggregate,
-                                  snapkv_token_scores, sparse_attention_forward)
+from residualkv.attention import (ATTN_IMPLEMENTATION, install, latent_value_attention, select_tokens,
+                                  snapkv_aggregate, snapkv_token_scores, sparse_attention_forward)
 from residualkv.cache import OmniKVCache, ResidualKVCache, ResidualLayer
 from residualkv.stores import ResidualStore, RowStores
 from residualkv.codec import ResidualCodec
@@ -129,10 +129,10 @@ def test_full_budget_reproduces_standalone(model, codec, changes, shortcut):
     assert rep["cr"] == 1.0 and rep["decode_steps"] == 11
 
 
-def _filled_store(stride: int, n_sink: int, seed: int, tokens: int) -> ResidualStore:
+def _filled_store(stride: int, n_sink: int, seed: int, tokens: int, window: int = 0) -> ResidualStore:
     """A compressed-layer store of the tiny Llama's width holding `tokens` random tokens in 2 rows."""
     torch.manual_seed(seed)
-    cfg = ResidualKVConfig(stride=stride, n_sink=n_sink)
+    cfg = ResidualKVConfig(stride=stride, n_sink=n_sink, recent_window=window)
     codec = ResidualCodec.for_model(tiny_llama_config(), cfg, d_c=32, d_ff=48).layer(0)
     store = ResidualStore(codec, cfg, ReferenceSchedule(n_sink, stride))
     store.write(torch.randn(2, tokens, 64))
@@ -160,6 +160,111 @@ def test_read_selected_equals_read_and_reads_only_what_it_needs():
                 c = o - int((ref_ords < o).sum())
                 need |= {(b, int(r)) for r in store.ref_idx[b, c].tolist() if r >= 0}
     assert store.refs_decoded - before[1] == len(need) < store.n_refs * 2
+
+
+# ---- values decoded after the softmax (attention.LatentValues) ----------------------------------------
+
+
+def _with_values_decoded(v, z, w_v):
+    """V + Z W_v^T in the [B, H, n, D] layout."""
+    B, H, n, D = v.shape
+    return v + (z[:, 0] @ w_v.T).reshape(B, n, H, D).transpose(1, 2)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_latent_read_returns_the_values_less_their_decoder_term(window):
+    store = _filled_store(stride=4, n_sink=2, seed=3, tokens=45, window=window)
+    n, H, D = store.n, 2, 16
+    g = torch.Generator().manual_seed(1)
+    rope = (torch.randn(2, n, D, generator=g), torch.randn(2, n, D, generator=g), H)
+    k, v = store.read(rope)
+    kl, vl, z = store.read(rope, latent=True)
+    assert z.shape == (2, 1, n, 32)
+    torch.testing.assert_close(kl, k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_with_values_decoded(vl, z, store.codec.value_decoder()), v, rtol=1e-5, atol=1e-5)
+    # references and window tokens have no latent: their values come back whole
+    whole = store.schedule.is_ref(0, n) | (torch.arange(n) >= store.n_coded)
+    assert bool((z[:, :, whole] == 0).all()) and bool((z[:, :, ~whole] != 0).any())
+    assert torch.equal(vl[:, :, whole], v[:, :, whole])
+    # a selection reads the same columns
+    ords = torch.tensor([[0, 3, 5, 6, 20, n - 2], [1, 2, 9, 10, 30, n - 1]])
+    pick = lambda t: t.gather(1, ords[..., None].expand(-1, -1, D))  # noqa: E731
+    ks, vs, zs = store.read_selected(ords, (pick(rope[0]), pick(rope[1]), H), latent=True)
+    cols = ords[:, None, :, None]
+    torch.testing.assert_close(ks, kl.gather(2, cols.expand(-1, H, -1, D)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(vs, vl.gather(2, cols.expand(-1, H, -1, D)))
+    assert torch.equal(zs, z.gather(2, cols.expand(-1, 1, -1, 32)))
+    with pytest.raises(ValueError, match="RoPE"):
+        store.read(latent=True)
+
+
+def test_latent_value_attention_equals_sdpa_over_the_decoded_values(model):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    z, w_v = torch.randn(2, 1, 9, 8, generator=g), torch.randn(32, 8, generator=g)
+    z[:, :, ::3] = 0  # whole tokens among the codes
+    padded = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    padded[1, :, :, :4] = False
+    additive = torch.zeros(2, 1, 1, 9).masked_fill(~padded, torch.finfo(torch.float32).min)
+    attn = model.model.layers[0].self_attn
+    for mask in (None, padded, additive):
+        got = latent_value_attention(q, k, v, mask, z, w_v, 0.3)
+        want, _ = sdpa_attention_forward(attn, q, k, _with_values_decoded(v, z, w_v), mask, scaling=0.3)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one query position"):
+        latent_value_attention(q.expand(2, 4, 3, 16), k, v, None, z, w_v, 0.3)
+
+
+def _one_step_both_ways(model, cache, token, mask):
+    """Logits of the next decode step from two forks of `cache`: values decoded after the softmax
+    (latent) and before it. One step: a later step would read what each fork wrote, and a code written
+    from hidden states a rounding apart can land one quantisation step away (as with another thread
+    count), so only a step's own output is comparable to float rounding."""
+    latent, decoded = cache.fork(), cache.fork()
+    decoded.latent = None
+    with torch.no_grad():
+        a = model(token, attention_mask=mask, cache=latent).logits
+        b = model(token, attention_mask=mask, cache=decoded).logits
+    return a, b, latent
+
+
+@pytest.mark.parametrize("mode", ["standalone", "omnikv", "snapkv"])
+def test_values_decoded_after_the_softmax_decode_as_the_decoded_values(model, codec, mode):
+    """A left-padded batch: every compressed layer's decode step hands its values over latent (on the
+    sparse paths too), and a step's output is that of decoding the values first, to float rounding."""
+    ids, mask = _ids(60, seed=4, batch=2), torch.ones(2, 60, dtype=torch.long)
+    mask[1, :9] = 0
+    cache = _cache(model, codec, mode=mode, select_budget=12, n_recent=4)
+    out = _generate(model, ids, cache, mask, n=8)
+    assert cache.latent.steps == 7 * 3  # 7 decode steps x 3 compressed layers
+    assert (accounting.report(cache)["cr"] < 1) == (mode != "standalone")  # the sparse reads carried them too
+    mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long)], dim=1)
+    a, b, latent = _one_step_both_ways(model, cache, out.sequences[:, -1:], mask)
+    assert latent.latent.steps == 3
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_values_are_decoded_before_the_softmax_in_prefill_and_under_gradients(model, codec):
+    cache = _cache(model, codec)
+    ids = _ids(30, seed=5)
+    with torch.no_grad():
+        tok = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+    assert cache.latent.steps == 0  # the prompt attends densely (SDPA)
+    model(tok, cache=cache)  # a step under autograd (training reads): the plain reading
+    assert cache.latent.steps == 0
+    with torch.no_grad():
+        model(tok, cache=cache)
+    assert cache.latent.steps == 3
+    identity = ResidualCodec.for_model(model.config, CFG, d_c=64, d_ff=48, kind="identity")
+    assert _cache(model, identity).latent is None  # ResidualKV†: no decoder, nothing to move
+    # values handed over latent to an attention that would not add their decoder term: refused
+    cache = _cache(model, codec)
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(RuntimeError, match="decoder term"):
+            _generate(model, ids, cache, n=3)
+    finally:
+        install(model)
 
 
 def test_sparse_layers_reconstruct_only_the_selection(model, codec):
@@ -460,5 +565,24 @@ def test_omnikv_full_budget_reproduces_standalone_smollm2(smollm2):
         per = rep["reconstruction_per_layer_per_step"]["5"]
         assert per["attended"] == 8 + 12 + 16 and per["codes_decoded"] <= 36 - 12
         assert abs(rep["unexplained"]) < 1e-3 and rep["gap"]["recent_window_fp16"] > 0
+    finally:
+        model.set_attn_implementation("sdpa")  # leave the session-scoped model as the fixture made it
+
+
+def test_values_decoded_after_the_softmax_smollm2(smollm2):
+    """SmolLM2-135M with a codec of the default shape (d_c 160): a decode step with the values' decoder
+    applied after the softmax gives the output of decoding the values first, in both deployments."""
+    model, tok, spec = smollm2
+    cfg = ResidualKVConfig(full_attention_layers=tuple(spec.full_attention_layers), stride=11, n_sink=8)
+    codec = ResidualCodec.for_model(model.config, cfg, d_c=160, d_ff=spec.codec["d_ff"], seed=0)
+    ids = tok("The history of the printing press begins " * 30, return_tensors="pt").input_ids[:, :300]
+    try:
+        for changes in (dict(mode="standalone"), dict(mode="omnikv", select_budget=64, n_recent=16)):
+            cache = ResidualKVCache.from_model(model, codec, cfg, **changes)
+            out = _generate(model, ids, cache, n=4)
+            assert cache.latent.steps == 3 * len(codec.layer_ids)
+            a, b, _ = _one_step_both_ways(model, cache, out.sequences[:, -1:], torch.ones_like(out.sequences))
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
     finally:
         model.set_attn_implementation("sdpa")  # leave the session-scoped model as the fixture made it
