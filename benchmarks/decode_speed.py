@@ -12,6 +12,8 @@ decoded + references read, summed over the compressed layers) come from the cach
 
     python benchmarks/decode_speed.py            # 2K, 4K, 8K tokens of context
     python benchmarks/decode_speed.py --quick    # smoke test: 256 and 512 tokens
+    python benchmarks/decode_speed.py --values-first   # + each deployment with its values decoded before
+                                                       #   the softmax, to time LatentValues side by side
 
 Writes benchmarks/results/decode_speed_cpu{_quick}.json and a PNG plot next to it.
 """
@@ -42,10 +44,11 @@ from residualkv.cli import base_config, context_ids, latest_codec_path  # noqa: 
 from residualkv.codec import ResidualCodec  # noqa: E402
 
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
+VALUES_FIRST = ":values-first"  # --values-first: a deployment read with the values decoded before the softmax
 
 
-def get_codec(model, spec, cfg):
-    path = latest_codec_path(spec.name)
+def get_codec(model, spec, cfg, path=None):
+    path = path or latest_codec_path(spec.name)
     if path is not None:
         return ResidualCodec.load(path, model_config=model.config), f"trained ({path})"
     codec = ResidualCodec.for_model(model.config, cfg, d_c=spec.codec["d_c"], d_ff=spec.codec["d_ff"], backbone=spec.name)
@@ -86,6 +89,10 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     fill_s = fill_from(full, standalone, ctx)
     caches = {"full": full, "residualkv-standalone": standalone,
               "residualkv+omnikv": standalone.fork(mode="omnikv", select_budget=args.budget, n_recent=args.recent)}
+    if args.values_first:  # the same deployments with the values decoded before the softmax (no LatentValues)
+        for name in METHODS[1:]:
+            caches[name + VALUES_FIRST] = caches[name].fork()
+            caches[name + VALUES_FIRST].latent = None
     tokens = {name: first.clone() for name in caches}
     times: dict[str, list[float]] = {name: [] for name in caches}
     for name, c in caches.items():  # warm-up
@@ -105,6 +112,7 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
             attended = rep["tokens_attended_per_step"][steps_before[name]:]
             history = rep["history_tokens_per_step"][steps_before[name]:]
             rec.update({"kr_measured": rep["kr_measured"], "cr": rep["cr"], "cr_formula": rep["cr_formula"],
+                        "latent_value_layer_steps": c.latent.steps if c.latent is not None else 0,
                         "tokens_reconstructed_per_step": statistics.mean(per_step),
                         "tokens_reconstructed_per_step_per_sparse_layer": _per_sparse_layer(rep, cfg),
                         "history_tokens_per_step_all_layers": statistics.mean(history),
@@ -125,11 +133,11 @@ def _per_sparse_layer(rep, cfg) -> float:
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'context':>7} {'method':24} {'tok/s':>8} {'vs full':>8} {'KR':>7} {'CR':>7} "
+    lines = [f"{'context':>7} {'method':37} {'tok/s':>8} {'vs full':>8} {'KR':>7} {'CR':>7} "
              f"{'reconstructed/step':>19} {'per sparse layer':>17}"]
     for r in results:
         for name, m in r["methods"].items():
-            lines.append(f"{r['context']:>7} {name:24} {m['tokens_per_s']:8.2f} {m['speed_vs_full']:7.2f}x "
+            lines.append(f"{r['context']:>7} {name:37} {m['tokens_per_s']:8.2f} {m['speed_vs_full']:7.2f}x "
                          f"{m['kr_measured']:7.1%} {m['cr']:7.1%} {m['tokens_reconstructed_per_step']:19,.0f} "
                          f"{m.get('tokens_reconstructed_per_step_per_sparse_layer', 0):17,.0f}")
     return "\n".join(lines)
@@ -169,6 +177,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="decode steps per method per round")
     p.add_argument("--repeats", type=int, default=None, help="rounds (methods interleaved)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--codec", type=Path, default=None,
+                   help="codec directory (default: the latest trained one for the backbone, else an untrained one)")
+    p.add_argument("--values-first", action="store_true",
+                   help="also time each ResidualKV deployment with its values decoded before the softmax "
+                        "(cache.latent = None), side by side: what decoding them after it (LatentValues) saves")
     p.add_argument("--budget", type=int, default=2048, help="OmniKV tokens chosen per step (besides sinks/recent)")
     p.add_argument("--recent", type=int, default=128)
     p.add_argument("--threads", type=int, default=1,
@@ -195,7 +208,7 @@ def main(argv=None) -> int:
     model, tok, spec = load_backbone("smollm2-135m")
     install(model)  # "residualkv_sparse" = SDPA for the full cache; the sparse path for the OmniKV cache
     cfg = base_config(spec)
-    codec, codec_note = get_codec(model, spec, cfg)
+    codec, codec_note = get_codec(model, spec, cfg, args.codec)
     load = os.getloadavg()
     print(f"SmolLM2-135M fp32 on CPU, {torch.get_num_threads()} threads, load average {load[0]:.1f} "
           f"on {os.cpu_count()} cores (shared machine: absolute numbers move with the load, ratios less so)")
@@ -215,6 +228,7 @@ def main(argv=None) -> int:
     payload = {"benchmark": "decode_speed_cpu", "backbone": "smollm2-135m", "dtype": "float32", "codec": codec_note,
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_start": load,
                "load_average_end": os.getloadavg(), "machine": platform.machine(), "torch": torch.__version__,
+               "values_first_rows": args.values_first,
                "omnikv": {"select_budget": args.budget, "n_sink": cfg.n_sink, "n_recent": args.recent,
                           "filter_layers": list(cfg.full_attention_layers)},
                "protocol": {"warmup_steps": args.warmup, "rounds": args.repeats, "steps_per_round": args.steps,
