@@ -75,5 +75,5 @@ class RopeTable:
         probe = torch.empty(0, dtype=dtype, device=positions.device)
         self.rotary.to(positions.device)
         out = self.rotary(probe, positions)
-        self._last = (positions, dtype, out)
+        self._last = (positions.clone(), dtype, out)  # a copy: the caller's tensor may change later
         return out

@@ -352,11 +352,11 @@ class ResidualStore:
         cfg = self.cfg
         B, S = ordinals.shape
         like = self._held()
-        zs = torch.zeros(B, S, self.codec.dims.d_c, device=ordinals.device) if latent else None
+        dev = ordinals.device if like is None else like.device
+        zs = torch.zeros(B, S, self.codec.dims.d_c, device=dev) if latent else None
         if like is None or S == 0:
-            out = torch.zeros(B, S, self.codec.dims.d_kv, device=ordinals.device)
+            out = torch.zeros(B, S, self.codec.dims.d_kv, device=dev)
             return _with_latent(out, rope, None, zs)
-        dev = like.device
         ordinals = ordinals.to(device=dev, dtype=torch.long)
         rows = torch.arange(B, device=dev)[:, None].expand(B, S)
         in_win = ordinals >= self.n_coded

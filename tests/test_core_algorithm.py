@@ -188,16 +188,19 @@ def test_unrotate_rerotate_exact(scaling):
 
 def test_rope_table_hands_out_its_last_cos_sin_again_for_equal_positions():
     """Every compressed layer of a decode step asks for the same positions: built once, equal to a fresh build."""
-    table = RopeTable.from_config(tiny_llama_config())
+    table, other = RopeTable.from_config(tiny_llama_config()), RopeTable.from_config(tiny_llama_config())
     pos = torch.tensor([[0, 1, 7, 100]])
     cos, sin = table.cos_sin(pos, torch.float32)
     again = table.cos_sin(pos.clone().to(torch.int32), torch.float32)
     assert again[0] is cos and again[1] is sin
     moved = table.cos_sin(pos + 1, torch.float32)
-    fresh = RopeTable.from_config(tiny_llama_config()).cos_sin(pos + 1, torch.float32)
-    assert moved[0] is not cos and torch.equal(moved[0], fresh[0]) and torch.equal(moved[1], fresh[1])
+    assert moved[0] is not cos and all(torch.equal(a, b) for a, b in zip(moved, other.cos_sin(pos + 1, torch.float32)))
     assert table.cos_sin(pos + 1, torch.float64)[0].dtype == torch.float64
     assert table.cos_sin(pos[:, :3], torch.float32)[0].shape == (1, 3, 16)
+    # a caller that reuses its tensor for other positions gets theirs, not the stale answer
+    table.cos_sin(pos, torch.float32)
+    pos += 5
+    assert torch.equal(table.cos_sin(pos, torch.float32)[0], other.cos_sin(pos, torch.float32)[0])
 
 
 def test_config_errors_name_the_field():
