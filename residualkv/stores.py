@@ -209,7 +209,12 @@ class ResidualStore:
         order, the table row of each pair). References from `r_old` on are this write's, taken from `fresh`
         [B, R_new, d], which carries the straight-through gradient; the rest come from their bytes."""
         R = max(self.n_refs, 1)
-        rows, slot = torch.unique(b * R + r, return_inverse=True)
+        key = b * R + r
+        # a mark per stored reference instead of torch.unique: the same ascending rows and inverse, without
+        # its sort (4x faster on CPU for the ~11K pairs a sparse read at 8K names)
+        named = torch.zeros(self.refs.shape[0] * R, dtype=torch.bool, device=key.device)
+        named[key] = True
+        rows, slot = named.nonzero().squeeze(1), (torch.cumsum(named, 0) - 1)[key]
         ub, ur = rows // R, rows % R
         old = ur < (self.n_refs if r_old is None else r_old)
         table = torch.empty(rows.numel(), self.refs.shape[-1], device=self.refs.device)
