@@ -307,6 +307,11 @@ class KiviLayer(_GroupedLayer):
         store.write(k, v)
         hk, hv = store.read(k.dtype)
         T = k.shape[2]
+        if T <= store.win_k.shape[2] and not (k.requires_grad or v.requires_grad):
+            # (decode steps) the newest tokens sit in the FP16 window, where both readings below give
+            # the stored values bit for bit (fp16(k) - k is exact, so k + (fp16(k) - k) == fp16(k));
+            # skipping them saves two copies of the history per step
+            return hk, hv
         if self.cfg.new_kv == "exact":
             # at the FP16 window's precision (bit-exact for fp16/bf16 models): what the fused decode
             # attention reads for a step's token, which sits in the window

@@ -39,10 +39,10 @@ def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    # one shift per code in a byte, stacked: ~2x faster on CPU than broadcasting a tensor of shifts
     mask = (1 << bits) - 1
-    q = (packed.unsqueeze(-1) >> shifts) & mask
-    return q.reshape(*packed.shape[:-1], -1)
+    parts = [packed >> s if s + bits == 8 else (packed >> s) & mask for s in range(0, 8, bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def _round_fp16(x: torch.Tensor, direction: float) -> torch.Tensor:
@@ -78,11 +78,22 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> Packed:
     return Packed(pack_bits(q.reshape(*x.shape[:-1], -1), bits), mn, scale)
 
 
-def dequantize(p: Packed, bits: int, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    q = unpack_bits(p.codes, bits).float()
-    q = q.reshape(*q.shape[:-1], -1, group)
-    x = q * p.scales.float().unsqueeze(-1) + p.mins.float().unsqueeze(-1)
-    return x.reshape(*x.shape[:-2], -1).to(dtype)
+def dequantize(p: Packed, bits: int, group: int, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes * scale + minimum, in float32 (then `dtype`). `out`, a float32 tensor (a strided view of
+    a larger buffer is fine) shaped like the decoded values, receives them without a copy."""
+    q = unpack_bits(p.codes, bits)
+    q = q.view(*q.shape[:-1], -1, group)
+    if out is None:
+        x = q.float()
+    elif out.dtype != torch.float32:
+        raise ValueError(f"dequantize(out=...) writes float32, got {out.dtype}")
+    else:
+        x = out.unflatten(-1, (-1, group))
+        x.copy_(q)
+    # in place: on CPU fresh large temporaries cost more than the arithmetic
+    x.mul_(p.scales.float().unsqueeze(-1)).add_(p.mins.float().unsqueeze(-1))
+    return x.reshape(*x.shape[:-2], -1).to(dtype) if out is None else out
 
 
 def quant_error_bound(z: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -565,16 +565,19 @@ class KiviStore:
         return min(self.cfg.full_group_size, head_dim)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        ks, vs = [], []
-        if self.kq is not None:
-            k = dequantize(self.kq, cfg.full_bits, cfg.full_group_size)  # [B, H, G, D, g]
-            B, H, G, D, g = k.shape
-            ks.append(k.transpose(-1, -2).reshape(B, H, G * g, D))
-            vs.append(dequantize(self.vq, cfg.full_bits, self.value_group(D)))
-        ks.append(self.win_k.float())
-        vs.append(self.win_v.float())
-        return torch.cat(ks, 2).to(dtype), torch.cat(vs, 2).to(dtype)
+        # decoded straight into one buffer per half (keys through a transposed view): every step
+        # re-decodes the whole history, and on CPU each extra copy of it costs about as much as decoding
+        cfg, (B, H, w, D) = self.cfg, self.win_k.shape
+        k = self.win_k.new_empty((B, H, self.n, D), dtype=torch.float32)
+        v = self.win_v.new_empty((B, H, self.n, self.win_v.shape[-1]), dtype=torch.float32)
+        m = self.n - w
+        if m:
+            g = cfg.full_group_size
+            dequantize(self.kq, cfg.full_bits, g, out=k[:, :, :m].unflatten(2, (m // g, g)).transpose(-1, -2))
+            dequantize(self.vq, cfg.full_bits, self.value_group(D), out=v[:, :, :m])
+        k[:, :, m:] = self.win_k
+        v[:, :, m:] = self.win_v
+        return k.to(dtype), v.to(dtype)
 
     def nbytes(self) -> dict[str, int]:
         return {

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from residualkv import accounting
-from residualkv.cache import ResidualKVCache, ResidualLayer
+from residualkv.cache import KiviLayer, ResidualKVCache, ResidualLayer
 from residualkv.codec import CodecError, ResidualCodec, parse_layer_d_c
 from residualkv.config import ResidualKVConfig
 from residualkv.methods import build_cache
+from residualkv.quant import dequantize, quantize
+from residualkv.stores import KiviStore
 from transformers import LlamaForCausalLM
 
 from .conftest import tiny_llama_config
@@ -341,6 +343,33 @@ def test_recent_window_is_refused_while_training(tiny_model):
     for hook in (cache.collect_rec_loss, cache.keep_grad_history):
         with pytest.raises(ValueError, match="recent_window=0"):
             hook()
+
+
+@pytest.mark.parametrize("new_kv", ["reconstructed", "exact"])
+def test_kivi_layer_reads_its_quantised_groups_and_fp16_window_the_same_with_or_without_gradients(new_kv):
+    """A decode step without gradients returns the stored values directly; with gradients it goes
+    through the straight-through (or exact) reading: the two must agree bit for bit."""
+    torch.manual_seed(0)
+    cfg = ResidualKVConfig(new_kv=new_kv)
+    g, layer = cfg.full_group_size, KiviLayer(cfg)
+    plain, graded = KiviStore(cfg), KiviStore(cfg)
+    ks, vs = [], []
+    for T in (3 * g + 5, 1, 1, g, 1):
+        k, v = torch.randn(2, 3, T, 64) * 4, torch.randn(2, 3, T, 64)
+        ks.append(k), vs.append(v)
+        hk, hv = layer._write_and_read(plain, k, v, None)
+        gk, gv = layer._write_and_read(graded, k.clone().requires_grad_(), v.clone().requires_grad_(), None)
+        assert gk.requires_grad and torch.equal(hk, gk.detach()) and torch.equal(hv, gv.detach())
+    # independently: whole groups of g tokens quantised per channel (keys) and per token (values),
+    # the newest tokens (between 1 and full_window of them) FP16
+    k16, v16 = torch.cat(ks, 2).half().float(), torch.cat(vs, 2).half().float()
+    n, w = k16.shape[2], plain.win_k.shape[2]
+    assert n - w == plain.kq.codes.shape[2] * g and 1 <= w <= cfg.full_window
+    bits = cfg.full_bits
+    ek = torch.cat([dequantize(quantize(k16[:, :, s:s + g].transpose(-1, -2), bits, g), bits, g).transpose(-1, -2)
+                    for s in range(0, n - w, g)] + [k16[:, :, n - w:]], 2)
+    ev = torch.cat([dequantize(quantize(v16[:, :, : n - w], bits, g), bits, g), v16[:, :, n - w:]], 2)
+    assert torch.equal(hk, ek) and torch.equal(hv, ev)
 
 
 # ---------------------------------------------------------------------------------------------

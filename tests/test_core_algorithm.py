@@ -111,6 +111,23 @@ def test_pack_unpack_roundtrip(bits):
     assert torch.equal(unpack_bits(packed, bits), q)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_dequantize_is_codes_times_scale_plus_minimum_also_into_a_strided_view(bits):
+    torch.manual_seed(0)
+    z = torch.randn(2, 5, 64, 96) * 3
+    p = quantize(z, bits, 32)
+    # the reference reads each code out of its byte one coordinate at a time
+    i = torch.arange(96)
+    q = (p.codes[..., i * bits // 8] >> ((i * bits) % 8)) & ((1 << bits) - 1)
+    expect = q.float() * p.scales.float().repeat_interleave(32, -1) + p.mins.float().repeat_interleave(32, -1)
+    assert torch.equal(dequantize(p, bits, 32), expect)
+    buf = torch.full((2, 5, 96, 64), float("nan")).transpose(-1, -2)  # the shape of z, not contiguous
+    assert dequantize(p, bits, 32, out=buf) is buf
+    assert torch.equal(buf, expect)
+    with pytest.raises(ValueError, match="float32"):
+        dequantize(p, bits, 32, out=torch.empty(2, 5, 64, 96, dtype=torch.float16))
+
+
 def _adversarial(d=96):
     g = torch.linspace(0, 1, 32)
     return torch.stack([
