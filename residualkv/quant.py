@@ -125,16 +125,18 @@ def decode_ref(stored: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float3
     return stored.to(dtype)
 
 
+_FP8_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def _fp8_bits_to(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3fn bytes -> `dtype`, bit-exact with torch's conversion (NaN included), ~2.5x faster on CPU,
-    where torch converts FP8 element by element. Shifted up 7 bits, an e4m3 byte's exponent and mantissa
-    are an FP16 number 2^-8 times its value (the biases are 7 and 15), subnormals included, so one exact
-    x256 finishes the decode; S.1111.111 (e4m3's only NaN) gets FP16's all-ones exponent."""
-    i = b.to(torch.int16)
-    m = i & 0x7F
-    nan = (m + 1).bitwise_right_shift_(7).mul_(0x7C00)
-    h = m.bitwise_left_shift_(7).bitwise_or_(i.bitwise_and_(0x80).bitwise_left_shift_(8)).bitwise_or_(nan)
-    return h.view(torch.float16).to(dtype).mul_(256)
+    """e4m3fn bytes -> `dtype` by looking each byte up in a 256-entry table made by torch's own
+    conversion (so bit-exact, NaN and -0 included): on CPU torch converts FP8 element by element, ~20x
+    slower than one int32 index_select (and ~8x slower than decoding the bits with integer ops)."""
+    table = _FP8_TABLES.get((dtype, b.device))
+    if table is None:
+        every_byte = torch.arange(256, dtype=torch.int16, device=b.device).to(torch.uint8)
+        table = _FP8_TABLES[(dtype, b.device)] = every_byte.view(torch.float8_e4m3fn).to(dtype)
+    return table.index_select(0, b.reshape(-1).int()).view(b.shape)
 
 
 def ref_roundtrip(x: torch.Tensor, fmt: str) -> torch.Tensor:

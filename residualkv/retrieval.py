@@ -46,9 +46,13 @@ def mean_of_refs(refs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     B, R, d = refs.shape
     T, k = idx.shape[1], idx.shape[2]
     valid = idx >= 0
-    pad = B * R  # an all-zero row that -1 entries point at
-    table = torch.cat([refs.reshape(B * R, d), refs.new_zeros(1, d)])
-    offsets = (torch.arange(B, device=idx.device) * R)[:, None, None]
-    flat = torch.where(valid, idx + offsets, pad).reshape(B * T, k)
-    total = F.embedding_bag(flat, table, mode="sum", padding_idx=pad).reshape(B, T, d)
-    return total / valid.to(refs.dtype).sum(-1, keepdim=True).clamp(min=1)
+    flat = (idx + (torch.arange(B, device=idx.device) * R)[:, None, None]).reshape(B * T, k)
+    if bool(valid.all()):  # the usual case: no padding, so no zero row to append to a copy of the table
+        total = F.embedding_bag(flat, refs.reshape(B * R, d), mode="sum")
+    else:
+        pad = B * R  # an all-zero row that -1 entries point at
+        table = torch.cat([refs.reshape(B * R, d), refs.new_zeros(1, d)])
+        total = F.embedding_bag(flat.masked_fill(~valid.reshape(B * T, k), pad), table, mode="sum", padding_idx=pad)
+    # in place: a fresh [B, T, d] result costs more than the division on CPU (embedding_bag's backward
+    # does not keep its output, so training is unaffected)
+    return total.reshape(B, T, d).div_(valid.sum(-1, keepdim=True).clamp(min=1).to(refs.dtype))

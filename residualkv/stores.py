@@ -16,7 +16,7 @@ import torch
 
 from .codec import LayerCodec
 from .config import ResidualKVConfig
-from .growing import Growing, grown
+from .growing import Growing, grown, take_rows
 from .quant import Packed, decode_ref, dequantize, encode_ref, quantize
 from .retrieval import mean_of_refs
 from .rope import apply_rope
@@ -216,11 +216,12 @@ class ResidualStore:
         named[key] = True
         rows, slot = named.nonzero().squeeze(1), (torch.cumsum(named, 0) - 1)[key]
         ub, ur = rows // R, rows % R
-        old = ur < (self.n_refs if r_old is None else r_old)
+        if fresh is None:  # a read: every named reference is stored
+            return decode_ref(take_rows(self.refs, ub, ur), self.cfg.ref_format), slot
+        old = ur < r_old
         table = torch.empty(rows.numel(), self.refs.shape[-1], device=self.refs.device)
-        table[old] = decode_ref(self.refs[ub[old], ur[old]], self.cfg.ref_format)
-        if fresh is not None:
-            table[~old] = fresh[ub[~old], ur[~old] - r_old]
+        table[old] = decode_ref(take_rows(self.refs, ub[old], ur[old]), self.cfg.ref_format)
+        table[~old] = fresh[ub[~old], ur[~old] - r_old]
         return table, slot
 
     def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor, r_old: int) -> torch.Tensor:
@@ -380,7 +381,7 @@ class ResidualStore:
         rotated = None
         if rb.numel() or cb.numel():
             # which references are read: the selected ones and those the selected codes average, each once
-            idx = self.ref_idx[cb, cp].long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
+            idx = take_rows(self.ref_idx, cb, cp).long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
             ok = idx >= 0
             table, slot = self._ref_table(torch.cat([rb, cb[:, None].expand_as(idx)[ok]]), torch.cat([rp, idx[ok]]))
             self.refs_decoded += int(table.shape[0])
@@ -404,8 +405,7 @@ class ResidualStore:
             mean_idx = torch.full_like(idx, -1)
             mean_idx[ok] = slot[rb.numel():]
             mean = mean_of_refs(table[None], mean_idx[None])[0]
-            c = self.codes
-            z = dequantize(Packed(c.codes[cb, cp], c.mins[cb, cp], c.scales[cb, cp]), cfg.bits, cfg.group_size)
+            z = dequantize(Packed(*(take_rows(t, cb, cp) for t in self.codes)), cfg.bits, cfg.group_size)
             out[is_code] = self._decode(z, mean, zs is not None)
             if zs is not None:
                 zs[is_code] = z

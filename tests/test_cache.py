@@ -376,6 +376,21 @@ def test_kivi_layer_reads_its_quantised_groups_and_fp16_window_the_same_with_or_
 # Stored tensors grow in place (residualkv.growing): a decode step appends, it does not copy
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_take_rows_equals_advanced_indexing_on_grown_and_other_layouts(B):
+    from residualkv.growing import Growing, take_rows
+
+    torch.manual_seed(0)
+    g = Growing(dim=1)
+    g.append(torch.randint(0, 255, (B, 50, 7, 3), dtype=torch.uint8))
+    g.append(torch.randint(0, 255, (B, 5, 7, 3), dtype=torch.uint8))  # now a prefix view with spare rows
+    assert g.bufs[0].shape[1] > 55
+    b, r = torch.randint(0, B, (40,)), torch.randint(0, 55, (40,))
+    for x in (g.get(), torch.randn(B, 55, 4), torch.randn(55, B, 4).transpose(0, 1),
+              torch.randn(1, 55, 4).expand(B, -1, -1), torch.randn(B, 55, 8)[..., ::2]):
+        assert torch.equal(take_rows(x, b, r), x[b, r])
+
+
 def test_growing_appends_equal_cat_keep_earlier_views_and_reallocate_rarely():
     from residualkv.growing import GROW_FRACTION, MIN_GROW, Growing
     from residualkv.quant import Packed
