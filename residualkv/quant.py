@@ -48,13 +48,11 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def _round_fp16(x: torch.Tensor, direction: float) -> torch.Tensor:
     """Round float32 to the neighbouring FP16 value towards `direction` (-inf: down, +inf: up).
 
-    nextafter steps towards its second argument, so it must be ±inf, not ±1."""
+    nextafter steps towards its second argument, so it must be ±inf, not ±1; it steps in FP16 itself
+    (a float32 step from an FP16 value would round straight back to it)."""
     h = x.to(torch.float16)
     off = (h.float() < x) if direction > 0 else (h.float() > x)
-    stepped = torch.nextafter(h.float(), torch.full_like(x, direction)).to(torch.float16)
-    # nextafter in float32 lands between FP16 values; converting rounds to nearest, which may return h
-    stepped = torch.where(stepped == h, torch.nextafter(h, torch.full_like(h, direction)), stepped)
-    return torch.where(off, stepped, h)
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, direction)), h)
 
 
 def _grid(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -128,6 +128,20 @@ def test_dequantize_is_codes_times_scale_plus_minimum_also_into_a_strided_view(b
         dequantize(p, bits, 32, out=torch.empty(2, 5, 64, 96, dtype=torch.float16))
 
 
+def test_fp16_rounding_goes_to_the_nearest_fp16_on_the_asked_side():
+    from residualkv.quant import _round_fp16
+
+    torch.manual_seed(0)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    every = every[torch.isfinite(every) & (every.float().abs() < 16000)].float()
+    x = torch.cat([every, every + every.abs() * 2.0**-13, torch.randn(100_000) * 10.0 ** torch.randint(-8, 4, (100_000,))])
+    inf = torch.full_like(x, float("inf")).half()
+    up, down = _round_fp16(x, float("inf")), _round_fp16(x, float("-inf"))
+    assert up.dtype == down.dtype == torch.float16
+    assert (up.float() >= x).all() and (torch.nextafter(up, -inf).float() < x).all()  # the least FP16 >= x
+    assert (down.float() <= x).all() and (torch.nextafter(down, inf).float() > x).all()  # the greatest <= x
+
+
 def _adversarial(d=96):
     g = torch.linspace(0, 1, 32)
     return torch.stack([
