@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_METHODS = "full,kivi4,residualkv-standalone,residualkv,residualkv-snapkv"
+DEFAULT_METHODS = "full,kivi4,residualkv-standalone,residualkv,residualkv-snapkv,omnikv"
 # the tensors a store holds, by attribute name, in the order they are digested
 STORED = ("refs", "codes", "ref_idx", "win", "ref_ord", "code_ord", "ref_visible", "kq", "vq", "win_k", "win_v",
           "k", "v")
@@ -123,7 +123,10 @@ def run(args) -> dict:
     rows = {}
     for name in args.methods.split(","):
         method = get_method(name)
-        cache = build_cache(name, model, codec if method.needs_codec else None, cfg)
+        # a small budget, so that the selecting methods really select (and SnapKV evicts) on a short prompt
+        sparse = name in ("residualkv", "residualkv-snapkv", "omnikv")
+        changes = {"select_budget": args.select_budget} if sparse else {}
+        cache = build_cache(name, model, codec if method.needs_codec else None, cfg, **changes)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=args.new_tokens,
@@ -137,12 +140,13 @@ def run(args) -> dict:
                       "seconds": round(time.perf_counter() - t0, 2)}
         print(f"{name}: {rows[name]['seconds']} s, tokens {rows[name]['tokens']}", file=sys.stderr)
     return {"tree": str(tree), "backbone": spec.name, "codec": codec_desc, "prompt_len": args.prompt_len,
-            "batch": args.batch, "new_tokens": args.new_tokens, "torch": torch.__version__, "methods": rows}
+            "batch": args.batch, "select_budget": args.select_budget, "new_tokens": args.new_tokens,
+            "torch": torch.__version__, "methods": rows}
 
 
 def compare(a_path: str, b_path: str) -> int:
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
-    setup = ("backbone", "codec", "prompt_len", "batch", "new_tokens")
+    setup = ("backbone", "codec", "prompt_len", "batch", "new_tokens", "select_budget")
     if any(a[k] != b[k] for k in setup):
         raise SystemExit(f"the two runs differ in set-up ({', '.join(f'{k}: {a[k]} / {b[k]}' for k in setup)}): "
                          "rerun them with the same options")
@@ -174,6 +178,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=700)
     p.add_argument("--batch", type=int, default=1, help="rows; rows after the first are left-padded, 37 tokens more each")
     p.add_argument("--new-tokens", type=int, default=12)
+    p.add_argument("--select-budget", type=int, default=128,
+                   help="tokens OmniKV selects per step / SnapKV keeps (residualkv, residualkv-snapkv, omnikv)")
     p.add_argument("--out", help="JSON file to write")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two runs' files and exit")
     args = p.parse_args()
