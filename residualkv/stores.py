@@ -368,10 +368,13 @@ class ResidualStore:
         in_win = ordinals >= self.n_coded
         if bool((ordinals >= self.n).any()):
             raise IndexError(f"ordinals must lie in [0, {self.n})")
-        is_ref = torch.zeros_like(in_win)
-        pos = torch.zeros_like(ordinals)
-        if not bool(in_win.all()):
-            is_ref[~in_win], pos[~in_win] = (t[0] for t in self._locate(ordinals[~in_win][None]))
+        if not bool(in_win.any()):  # the usual case (no recent window): no masked copies of the selection
+            is_ref, pos = self._locate(ordinals)
+        else:
+            is_ref = torch.zeros_like(in_win)
+            pos = torch.zeros_like(ordinals)
+            if not bool(in_win.all()):
+                is_ref[~in_win], pos[~in_win] = (t[0] for t in self._locate(ordinals[~in_win][None]))
         is_code = ~is_ref & ~in_win
         out = torch.empty(B, S, like.shape[-1], device=dev)
         if self.win is not None:
@@ -383,7 +386,11 @@ class ResidualStore:
             # which references are read: the selected ones and those the selected codes average, each once
             idx = take_rows(self.ref_idx, cb, cp).long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
             ok = idx >= 0
-            table, slot = self._ref_table(torch.cat([rb, cb[:, None].expand_as(idx)[ok]]), torch.cat([rp, idx[ok]]))
+            # every code past the first k references has all k of them: then no mask is needed to list the pairs
+            all_ok = bool(ok.all())
+            code_rows = cb[:, None].expand_as(idx)
+            code_rows, code_refs = (code_rows.reshape(-1), idx.reshape(-1)) if all_ok else (code_rows[ok], idx[ok])
+            table, slot = self._ref_table(torch.cat([rb, code_rows]), torch.cat([rp, code_refs]))
             self.refs_decoded += int(table.shape[0])
             out[is_ref] = table[slot[: rb.numel()]]
         if cb.numel() and self._use_kernel():
@@ -402,8 +409,11 @@ class ResidualStore:
             rotated = is_code if fused else None
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
-            mean_idx = torch.full_like(idx, -1)
-            mean_idx[ok] = slot[rb.numel():]
+            if all_ok:
+                mean_idx = slot[rb.numel():].view_as(idx)
+            else:
+                mean_idx = torch.full_like(idx, -1)
+                mean_idx[ok] = slot[rb.numel():]
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             z = dequantize(Packed(*(take_rows(t, cb, cp) for t in self.codes)), cfg.bits, cfg.group_size)
             out[is_code] = self._decode(z, mean, zs is not None)
