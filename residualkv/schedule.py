@@ -47,6 +47,11 @@ class ReferenceSchedule:
         mask[self._tensor[lo:hi] - start] = True
         return mask
 
+    def count_in(self, start: int, end: int) -> int:
+        """How many references among ordinals [start, end), without building a mask."""
+        self._extend(end)
+        return max(bisect_left(self._positions, end) - bisect_left(self._positions, start), 0)
+
     def count(self, n: int) -> int:
         return int(self.ref_ordinals(n).numel())
 

@@ -164,44 +164,54 @@ class ResidualStore:
         cfg = self.cfg
         B, T, d = kv.shape
         kv = kv.float()
-        is_ref = self.schedule.is_ref(self.n_coded, self.n_coded + T).to(kv.device)
-        out = kv.new_empty(B, T, d)
-
-        new_refs = kv[:, is_ref]
-        stored = encode_ref(new_refs.detach(), cfg.ref_format)
-        refs_hat = new_refs + (decode_ref(stored, cfg.ref_format) - new_refs).detach()
-        out[:, is_ref] = refs_hat
-        r_old = self.n_refs
-        self._refs.append(stored)
-
-        is_code = ~is_ref
-        if bool(is_code.any()):
-            x = kv[:, is_code]
-            # references strictly before each token: the old ones plus those earlier in this chunk
-            n_avail = r_old + torch.cumsum(is_ref.long(), 0)[is_code]
-            # the search reads the stored bytes (the kernel decodes them in registers): a decode step
-            # must not decode, copy or convert the whole reference history
-            idx = topk_l2(x.detach(), self.refs, n_avail, cfg.k, ref_format=cfg.ref_format, impl=cfg.kernel_impl)
-            mean = self._mean_of_chosen(idx, refs_hat, r_old)
-            z = self.codec.encode(x, mean).float()
-            packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
-            z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
-            out[:, is_code] = self.codec.decode(z_hat).float() + mean
-            self._codes.append(packed)
-            idx_dtype = torch.int16 if self.n_refs <= torch.iinfo(torch.int16).max else torch.int32
-            if self.ref_idx is not None and self.ref_idx.dtype != idx_dtype:
-                self.ref_idx = self.ref_idx.to(idx_dtype)
-            self._ref_idx.append(idx.to(idx_dtype))
-        if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
-            new_ord = torch.arange(self.n_coded, self.n_coded + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
-            m = is_ref.to(new_ord.device)
-            self._ref_ord.append(new_ord[m])
-            self._ref_visible.append(m.new_ones(int(m.sum())))
-            self._code_ord.append(new_ord[~m])
+        s0 = self.n_coded
+        if self.refs is not None and not self.schedule.count_in(s0, s0 + T):
+            # all codes (most decode steps): no reference bookkeeping, no masked copies; the same bytes
+            out = self._code_tokens(kv, torch.full((T,), self.n_refs, device=kv.device), kv.new_empty(B, 0, d))
+            if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
+                self._code_ord.append(torch.arange(s0, s0 + T, dtype=self.code_ord.dtype, device=self.code_ord.device))
+        else:
+            is_ref = self.schedule.is_ref(s0, s0 + T).to(kv.device)
+            out = kv.new_empty(B, T, d)
+            new_refs = kv[:, is_ref]
+            stored = encode_ref(new_refs.detach(), cfg.ref_format)
+            refs_hat = new_refs + (decode_ref(stored, cfg.ref_format) - new_refs).detach()
+            out[:, is_ref] = refs_hat
+            r_old = self.n_refs
+            self._refs.append(stored)
+            is_code = ~is_ref
+            if bool(is_code.any()):
+                # references strictly before each token: the old ones plus those earlier in this chunk
+                n_avail = r_old + torch.cumsum(is_ref.long(), 0)[is_code]
+                out[:, is_code] = self._code_tokens(kv[:, is_code], n_avail, refs_hat)
+            if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
+                new_ord = torch.arange(s0, s0 + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
+                m = is_ref.to(new_ord.device)
+                self._ref_ord.append(new_ord[m])
+                self._ref_visible.append(m.new_ones(int(m.sum())))
+                self._code_ord.append(new_ord[~m])
         if self.keep_grad:
             self.grad_history = _cat(self.grad_history, out)
         self.n_coded += T
         return out
+
+    def _code_tokens(self, x: torch.Tensor, n_avail: torch.Tensor, refs_hat: torch.Tensor) -> torch.Tensor:
+        """Store the codes of tokens x [B, T, d] that see the first n_avail [T] references (the last
+        refs_hat.shape[1] of them this write's, refs_hat carrying their gradient); their reconstruction."""
+        cfg = self.cfg
+        # the search reads the stored bytes (the kernel decodes them in registers): a decode step
+        # must not decode, copy or convert the whole reference history
+        idx = topk_l2(x.detach(), self.refs, n_avail, cfg.k, ref_format=cfg.ref_format, impl=cfg.kernel_impl)
+        mean = self._mean_of_chosen(idx, refs_hat, self.n_refs - refs_hat.shape[1])
+        z = self.codec.encode(x, mean).float()
+        packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
+        z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
+        self._codes.append(packed)
+        idx_dtype = torch.int16 if self.n_refs <= torch.iinfo(torch.int16).max else torch.int32
+        if self.ref_idx is not None and self.ref_idx.dtype != idx_dtype:
+            self.ref_idx = self.ref_idx.to(idx_dtype)
+        self._ref_idx.append(idx.to(idx_dtype))
+        return self.codec.decode(z_hat).float() + mean
 
     def _ref_table(self, b: torch.Tensor, r: torch.Tensor, fresh: torch.Tensor | None = None,
                    r_old: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +239,11 @@ class ResidualStore:
         (each once). Same rows in the same order as `mean_of_refs` over every reference, so the same bits."""
         B, T, k = idx.shape
         valid = idx >= 0
+        if not refs_hat.shape[1] and bool(valid.all()):  # a decode step: decode its B·T·k rows directly
+            rows = torch.arange(B, device=idx.device)[:, None, None].expand_as(idx).reshape(-1)
+            table = decode_ref(take_rows(self.refs, rows, idx.reshape(-1)), self.cfg.ref_format)
+            slots = torch.arange(B * T * k, device=idx.device).view(1, B * T, k)
+            return mean_of_refs(table[None], slots)[0].view(B, T, -1)
         table, slot = self._ref_table(torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)[valid],
                                       idx[valid], refs_hat, r_old)
         local = torch.full_like(idx, -1)
