@@ -326,6 +326,35 @@ def test_recent_window_holds_the_newest_tokens_exact_and_codes_the_rest_as_witho
         win.read_selected(torch.tensor([[70]]))
 
 
+@pytest.mark.parametrize("evicted", [False, True])
+def test_a_write_of_codes_only_stores_what_the_general_write_stores(monkeypatch, evicted):
+    """Decode steps that hold no reference take a shorter path (no masks, the mean's k rows decoded
+    directly): its bytes, its reconstruction and, after a SnapKV eviction, its ordinals equal those of
+    the general path, forced here by a schedule that claims a reference in every chunk."""
+    from residualkv.stores import ResidualStore
+    from residualkv.schedule import ReferenceSchedule
+
+    cfg = ResidualKVConfig(stride=4, n_sink=2, kernel_impl="torch")
+    codec = ResidualCodec.for_model(tiny_llama_config(), cfg, d_c=32, d_ff=48).layer(0)
+    kv = torch.randn(1, 60, 64, generator=torch.Generator().manual_seed(4))
+    fast, general = (ResidualStore(codec, cfg, ReferenceSchedule(2, 4)) for _ in range(2))
+    monkeypatch.setattr(general.schedule, "count_in", lambda start, end: 1)
+    outs = {"fast": [], "general": []}
+    with torch.no_grad():
+        for name, store in (("fast", fast), ("general", general)):
+            store.write(kv[:, :40])
+            if evicted:
+                store.evict(torch.tensor([0, 1, 5, 7, 22, 30, 39]))
+            outs[name] = [store.write(kv[:, i : i + 1]) for i in range(40, 60)]
+    for a, b in zip(outs["fast"], outs["general"]):
+        assert torch.equal(a, b)
+    for name in ("refs", "ref_idx", "ref_ord", "code_ord", "ref_visible"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert all(torch.equal(a, b) for a, b in zip(fast.codes, general.codes))
+    assert torch.equal(fast.read(), general.read())
+
+
 def test_recent_window_longer_than_the_prompt_reproduces_the_full_cache(tiny_model):
     """Nothing leaves a window wider than the sequence: every token is read as its FP16 value."""
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(3))

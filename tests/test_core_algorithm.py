@@ -51,6 +51,10 @@ def test_schedule_recurrence_and_incremental():
     assert step.is_ref(13, 90).tolist() == fresh.is_ref(13, 90).tolist() == mask[13:90].tolist()
     step.ref_ordinals(200).zero_()
     assert step.ref_ordinals(200).tolist() == refs and step.count(200) == len(refs)
+    # count_in (the write path's "any reference in this chunk?") agrees with the mask on every span,
+    # empty and reversed ones included, and extends a fresh schedule as is_ref does
+    for a, b in [(0, 0), (0, 4), (3, 5), (5, 6), (13, 90), (150, 260), (90, 13)]:
+        assert ReferenceSchedule(n_sink=4, stride=5, alpha=0.1).count_in(a, b) == int(step.is_ref(a, b).sum())
 
 
 def test_table_vi_reference_counts_order_of_magnitude():
