@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
+
+from trees import check_tree, describe, use_tree
 
 DEFAULT_METHODS = "full,kivi4,residualkv-standalone,residualkv,residualkv-snapkv,omnikv"
 # the tensors a store holds, by attribute name, in the order they are digested
@@ -81,13 +82,7 @@ def cache_digests(cache) -> list[str]:
 
 
 def run(args) -> dict:
-    tree = Path(args.tree).resolve()
-    if not (tree / "residualkv").is_dir():
-        raise SystemExit(f"--tree {tree}: no residualkv/ package there; pass the root of a checkout")
-    sys.path.insert(0, str(tree))
-    # both trees read this checkout's data (backbone, latest codec) unless told otherwise: a fresh worktree
-    # has none, and the two runs must load the same files
-    os.environ.setdefault("RKV_DATA_DIR", str(Path(__file__).resolve().parents[1] / "data"))
+    tree = use_tree(args.tree)
     import torch
 
     torch.set_num_threads(1)
@@ -97,13 +92,7 @@ def run(args) -> dict:
     from residualkv.codec import ResidualCodec
     from residualkv.methods import build_cache, get_method
 
-    import kernels
-    import residualkv
-
-    for pkg in (residualkv, kernels):  # an installed copy must not stand in for the tree asked for
-        if not Path(pkg.__file__).resolve().is_relative_to(tree):
-            raise SystemExit(f"imported {pkg.__name__} from {pkg.__file__}, not from --tree {tree}")
-
+    check_tree(tree)
     model, tok, spec = load_backbone(args.backbone)
     install(model)
     cfg = base_config(spec)
@@ -139,7 +128,8 @@ def run(args) -> dict:
                       "stored_sha256_per_layer": cache_digests(cache),
                       "seconds": round(time.perf_counter() - t0, 2)}
         print(f"{name}: {rows[name]['seconds']} s, tokens {rows[name]['tokens']}", file=sys.stderr)
-    return {"tree": str(tree), "backbone": spec.name, "codec": codec_desc, "prompt_len": args.prompt_len,
+    return {"tree": str(tree), "commit": describe(tree), "backbone": spec.name, "codec": codec_desc,
+            "prompt_len": args.prompt_len,
             "batch": args.batch, "select_budget": args.select_budget, "new_tokens": args.new_tokens,
             "torch": torch.__version__, "methods": rows}
 
@@ -157,8 +147,9 @@ def compare(a_path: str, b_path: str) -> int:
             print(f"{name}: only in {'the first' if rb is None else 'the second'} run")
             continue
         bad = [f for f in ("tokens", "logits_sha256") if ra[f] != rb[f]]
-        layers = [i for i, (x, y) in enumerate(zip(ra["stored_sha256_per_layer"], rb["stored_sha256_per_layer"])) if x != y]
-        if len(ra["stored_sha256_per_layer"]) != len(rb["stored_sha256_per_layer"]):
+        sa, sb = ra["stored_sha256_per_layer"], rb["stored_sha256_per_layer"]
+        layers = [i for i, (x, y) in enumerate(zip(sa, sb)) if x != y]
+        if len(sa) != len(sb):
             layers.append("count")
         if layers:
             bad.append(f"stored bytes (layers {layers})")
@@ -176,7 +167,8 @@ def main() -> None:
     p.add_argument("--codec", help="codec directory (default: the latest trained one, else untrained, seed 0)")
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--prompt-len", type=int, default=700)
-    p.add_argument("--batch", type=int, default=1, help="rows; rows after the first are left-padded, 37 tokens more each")
+    p.add_argument("--batch", type=int, default=1,
+                   help="rows; rows after the first are left-padded, 37 tokens more each")
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--select-budget", type=int, default=128,
                    help="tokens OmniKV selects per step / SnapKV keeps (residualkv, residualkv-snapkv, omnikv)")

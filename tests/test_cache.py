@@ -473,3 +473,47 @@ def test_decode_steps_append_in_place_and_spare_capacity_is_reported_beside_kr(t
     assert rep["kr_allocated"] == pytest.approx((rep["total_bytes"] + rep["spare_bytes"]) / rep["fp16_bytes"])
     # spare room is not stored data: KR counts the stored bytes only
     assert rep["kr_measured"] == rep["total_bytes"] / rep["fp16_bytes"] < rep["kr_allocated"]
+
+
+def test_same_bits_digests_every_stored_byte_and_its_compare_names_what_differs(tiny_model, tmp_path, monkeypatch,
+                                                                                capsys):
+    """benchmarks/same_bits.py (the check behind "bit-identical" speed changes): equal caches give equal
+    per-layer digests; one flipped stored byte changes its layer's digest only, and the compare exits 1
+    naming the layer; runs with different set-ups are refused."""
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("same_bits", bench / "same_bits.py")
+    sb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sb)
+
+    model = tiny_model
+    cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
+    codec = _codec(model, cfg)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    caches = [ResidualKVCache.from_model(model, codec, cfg) for _ in range(2)]
+    for c in caches:
+        _greedy(model, ids, c, n=4)
+    a, b = (sb.cache_digests(c) for c in caches)
+    assert a == b and len(a) == model.config.num_hidden_layers and len(set(a)) == len(a)
+    caches[1].layers[1].stores[0].codes.codes[0, 3, 0] ^= 1
+    changed = sb.cache_digests(caches[1])
+    assert [i for i, (x, y) in enumerate(zip(a, changed)) if x != y] == [1]
+
+    def run_file(name, digests, tokens):
+        setup = {"backbone": "tiny", "codec": "seed 0", "prompt_len": 40, "batch": 1, "new_tokens": 4,
+                 "select_budget": 128}
+        row = {"tokens": tokens, "logits_sha256": "x", "stored_sha256_per_layer": digests, "seconds": 1.0}
+        (tmp_path / name).write_text(json.dumps({**setup, "methods": {"residualkv": row}}))
+        return str(tmp_path / name)
+
+    assert sb.compare(run_file("a.json", a, [[1]]), run_file("b.json", b, [[1]])) == 0
+    capsys.readouterr()
+    assert sb.compare(run_file("a.json", a, [[1]]), run_file("c.json", changed, [[2]])) == 1
+    assert "residualkv: DIFFERENT: tokens, stored bytes (layers [1])" in capsys.readouterr().out
+    other = json.loads((tmp_path / "c.json").read_text()) | {"prompt_len": 41}
+    (tmp_path / "d.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="prompt_len"):
+        sb.compare(str(tmp_path / "a.json"), str(tmp_path / "d.json"))
