@@ -416,7 +416,8 @@ def test_take_rows_equals_advanced_indexing_on_grown_and_other_layouts(B):
     assert g.bufs[0].shape[1] > 55
     b, r = torch.randint(0, B, (40,)), torch.randint(0, 55, (40,))
     for x in (g.get(), torch.randn(B, 55, 4), torch.randn(55, B, 4).transpose(0, 1),
-              torch.randn(1, 55, 4).expand(B, -1, -1), torch.randn(B, 55, 8)[..., ::2]):
+              torch.randn(1, 55, 4).expand(B, -1, -1), torch.randn(B, 55, 8)[..., ::2],
+              torch.randn(B, 70, 4)[:, 10:65]):  # a view that starts inside its storage and ends before it
         assert torch.equal(take_rows(x, b, r), x[b, r])
 
 
