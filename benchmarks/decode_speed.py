@@ -42,6 +42,7 @@ from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.cli import base_config, context_ids, latest_codec_path  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
+from trees import describe  # noqa: E402
 
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
 VALUES_FIRST = ":values-first"  # --values-first: a deployment read with the values decoded before the softmax
@@ -228,6 +229,7 @@ def main(argv=None) -> int:
     payload = {"benchmark": "decode_speed_cpu", "backbone": "smollm2-135m", "dtype": "float32", "codec": codec_note,
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_start": load,
                "load_average_end": os.getloadavg(), "machine": platform.machine(), "torch": torch.__version__,
+               "commit": describe(ROOT),
                "values_first_rows": args.values_first,
                "omnikv": {"select_budget": args.budget, "n_sink": cfg.n_sink, "n_recent": args.recent,
                           "filter_layers": list(cfg.full_attention_layers)},
