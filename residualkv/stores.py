@@ -202,7 +202,7 @@ class ResidualStore:
         # the search reads the stored bytes (the kernel decodes them in registers): a decode step
         # must not decode, copy or convert the whole reference history
         idx = topk_l2(x.detach(), self.refs, n_avail, cfg.k, ref_format=cfg.ref_format, impl=cfg.kernel_impl)
-        mean = self._mean_of_chosen(idx, refs_hat, self.n_refs - refs_hat.shape[1])
+        mean = self._mean_of_chosen(idx, refs_hat)
         z = self.codec.encode(x, mean).float()
         packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
         z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
@@ -213,11 +213,11 @@ class ResidualStore:
         self._ref_idx.append(idx.to(idx_dtype))
         return self.codec.decode(z_hat).float() + mean
 
-    def _ref_table(self, b: torch.Tensor, r: torch.Tensor, fresh: torch.Tensor | None = None,
-                   r_old: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ref_table(self, b: torch.Tensor, r: torch.Tensor,
+                   fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode each reference named by the pairs (b, r) once: (table [M, d] float32 in (row, reference)
-        order, the table row of each pair). References from `r_old` on are this write's, taken from `fresh`
-        [B, R_new, d], which carries the straight-through gradient; the rest come from their bytes."""
+        order, the table row of each pair). The last R_new stored references are this write's, taken from
+        `fresh` [B, R_new, d], which carries the straight-through gradient; the rest come from their bytes."""
         R = max(self.n_refs, 1)
         key = b * R + r
         # a mark per stored reference instead of torch.unique: the same ascending rows and inverse, without
@@ -228,24 +228,25 @@ class ResidualStore:
         ub, ur = rows // R, rows % R
         if fresh is None:  # a read: every named reference is stored
             return decode_ref(take_rows(self.refs, ub, ur), self.cfg.ref_format), slot
+        r_old = self.n_refs - fresh.shape[1]
         old = ur < r_old
         table = torch.empty(rows.numel(), self.refs.shape[-1], device=self.refs.device)
         table[old] = decode_ref(take_rows(self.refs, ub[old], ur[old]), self.cfg.ref_format)
         table[~old] = fresh[ub[~old], ur[~old] - r_old]
         return table, slot
 
-    def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor, r_old: int) -> torch.Tensor:
+    def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor) -> torch.Tensor:
         """Mean of the references `idx` [B, T, k] (-1 = unused) picked for new tokens, decoding only those
-        (each once). Same rows in the same order as `mean_of_refs` over every reference, so the same bits."""
+        (each once); the store's last refs_hat.shape[1] references, this write's, are read from `refs_hat`.
+        Same rows in the same order as `mean_of_refs` over every reference, so the same bits."""
         B, T, k = idx.shape
         valid = idx >= 0
+        rows = torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)
         if not refs_hat.shape[1] and bool(valid.all()):  # a decode step: decode its B·T·k rows directly
-            rows = torch.arange(B, device=idx.device)[:, None, None].expand_as(idx).reshape(-1)
-            table = decode_ref(take_rows(self.refs, rows, idx.reshape(-1)), self.cfg.ref_format)
+            table = decode_ref(take_rows(self.refs, rows.reshape(-1), idx.reshape(-1)), self.cfg.ref_format)
             slots = torch.arange(B * T * k, device=idx.device).view(1, B * T, k)
             return mean_of_refs(table[None], slots)[0].view(B, T, -1)
-        table, slot = self._ref_table(torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)[valid],
-                                      idx[valid], refs_hat, r_old)
+        table, slot = self._ref_table(rows[valid], idx[valid], refs_hat)
         local = torch.full_like(idx, -1)
         local[valid] = slot
         return mean_of_refs(table[None], local.reshape(1, B * T, k))[0].reshape(B, T, -1)
