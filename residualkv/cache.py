@@ -378,6 +378,10 @@ class ResidualKVCache(Cache):
         if codec is not None:
             codec.check_compatible(model.config)
             codec.to(model.device)
+            bad = sorted({codec.layer(i).dims.d_c for i in codec.layer_ids if codec.layer(i).dims.d_c % config.group_size})
+            if bad:
+                raise ConfigError(f"invalid group_size={config.group_size}: the codec's latents (d_c {bad}) are not "
+                                  "whole groups; choose a group size that divides d_c (e.g. 32 for d_c 160)")
         n_layers, n_kv, head_dim = model_shape(model.config)
         cache = cls(codec, config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                     rope=RopeTable.from_model(model))

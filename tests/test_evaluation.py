@@ -621,6 +621,33 @@ def test_recent_window_variants(tiny_lm):
     assert rep["bytes"]["recent_window_fp16"] > 0 and rep["gap"]["recent_window_fp16"] > 0
 
 
+def test_group_size_variants(tiny_lm):
+    """-gNN quantises a ResidualKV method's latents in groups of NN: fewer FP16 mins and scales, the
+    same codes; a group that does not divide d_c is refused by name before anything is written."""
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ConfigError, ResidualKVConfig
+    from residualkv.evaluation.harness import known_method
+
+    for name in ("residualkv-standalone-g64", "residualkv-r08-w32-g16", "residualkv-snapkv-r20-g32"):
+        assert known_method(name), name
+    for name in ("kivi2-g64", "omnikv-g64", "residualkv-g64-w32", "full-g8"):
+        assert not known_method(name), name
+    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=64, d_ff=16)
+    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
+    reps = {}
+    for name in ("residualkv-standalone", "residualkv-standalone-g64"):
+        cache = build_method_cache(name, tiny_lm, codec)
+        with torch.no_grad():
+            tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
+        reps[name] = measure(cache)
+    base, wide = reps["residualkv-standalone"]["bytes"], reps["residualkv-standalone-g64"]["bytes"]
+    assert wide["latent_codes"] == base["latent_codes"]
+    assert wide["latent_mins_scales"] * 2 == base["latent_mins_scales"]  # one FP16 pair per 64 values, not per 32
+    assert abs(reps["residualkv-standalone-g64"]["unexplained"]) < 1e-9
+    with pytest.raises(ConfigError, match="group_size=48.*divides d_c"):
+        build_method_cache("residualkv-standalone-g48", tiny_lm, codec)
+
+
 # ---------------------------------------------------------------------------------------------
 # the gold answer's NLL, teacher-forced through each cache
 

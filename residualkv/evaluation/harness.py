@@ -52,9 +52,10 @@ from .stats import mean_difference, rel_score_interval
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix: -rNN selects NN% of the history per decode step
 # (residualkv-r15, omnikv-r15; residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers, the
-# SnapKV baseline's ratio); -wNN holds the newest NN tokens of the compressed layers in FP16 (ResidualKV
-# methods only: residualkv-standalone-w64, residualkv-r08-w64)
-_VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?$")
+# SnapKV baseline's ratio); -wNN holds the newest NN tokens of the compressed layers in FP16 and -gNN
+# quantises the latents in groups of NN coordinates (one FP16 min and scale each) instead of the codec's
+# own group size (ResidualKV methods only, in this order: residualkv-standalone-w64, residualkv-r08-w64-g80)
+_VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?$")
 _RATIO_BASES = ("residualkv", "omnikv", "residualkv-snapkv")
 
 
@@ -68,19 +69,22 @@ def _snapkv_ratio(name: str) -> float | None:
 def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
     """A suffixed variant -> (registered method, config changes); None when `name` is not one."""
     m = _VARIANT.match(name)
-    if not m or (m["ratio"] is None and m["window"] is None):
+    if not m or (m["ratio"] is None and m["window"] is None and m["group"] is None):
         return None
     base, changes = m["base"], {}
     if m["ratio"] is not None:
         if base not in _RATIO_BASES or not 0 < int(m["ratio"]) <= 100:
             return None
         changes["select_ratio"] = int(m["ratio"]) / 100
-    if m["window"] is not None:
+    if m["window"] is not None or m["group"] is not None:
         from ..methods import METHODS
 
         if base not in METHODS or not METHODS[base].needs_codec:  # the codec methods are the ResidualKV ones
             return None
-        changes["recent_window"] = int(m["window"])
+        if m["window"] is not None:
+            changes["recent_window"] = int(m["window"])
+        if m["group"] is not None:
+            changes["group_size"] = int(m["group"])
     return base, changes
 
 
@@ -108,7 +112,8 @@ def build_method_cache(name: str, model, codec=None, base=None):
     """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%;
     `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio);
     `residualkv-snapkv-rNN` keeps NN% of the prompt on the compressed layers; a `-wNN` suffix on a
-    ResidualKV method holds the newest NN tokens of its compressed layers in FP16 (recent_window)."""
+    ResidualKV method holds the newest NN tokens of its compressed layers in FP16 (recent_window), a
+    `-gNN` suffix quantises its latents in groups of NN (group_size)."""
     from ..methods import METHODS, build_cache
 
     variant = _variant(name)
