@@ -384,9 +384,9 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
     common = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--eval-blocks", "0",
               "--json"]
     assert cli.main(common + ["--steps", "3", "--d-c", "32", "--d-ff", "48", "--stride", "5", "--lr", "1e-2",
-                              "--layer-d-c", "1-2=64"]) == 0
+                              "--layer-d-c", "1-2=64", "--group-size", "16"]) == 0
     start = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
-    assert "-stride5-l1_2_64-" in start.parent.name  # another shape, another run
+    assert "-stride5-groupsize16-l1_2_64-" in start.parent.name  # another shape, another run
     # a step at a vanishing LR: the result is the codec it started from (shape, stride and weights)
     assert cli.main(common + ["--steps", "1", "--lr", "1e-12", "--init-from", str(start), "--recall-spans", "2",
                               "--recall-span-len", "8"]) == 0
@@ -394,6 +394,7 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
     assert f"-recall2x8-from-{start.parent.name[:40]}" in out.parent.name  # its own run, never the start's
     a, b = ResidualCodec.load(start), ResidualCodec.load(out)
     assert (b.dims.d_c, b.dims.d_ff, b.config.stride, b.layer_d_c) == (32, 48, 5, {1: 64, 2: 64})
+    assert a.config.group_size == b.config.group_size == 16  # trained in groups of 16, served so
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
     training = b.extra["training"]
@@ -404,6 +405,8 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
         cli.main(common + ["--steps", "1", "--init-from", str(start), "--init", "fisher-pca"])
     with pytest.raises(SystemExit, match="--layer-d-c: the codec in .* keeps its latent sizes"):
         cli.main(common + ["--steps", "1", "--init-from", str(start), "--layer-d-c", "1=32"])
+    with pytest.raises(SystemExit, match=r"--group-size 24 does not divide the latent size d_c \[32\]"):
+        cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--group-size", "24"])
     with pytest.raises(SystemExit, match="layer 7 has no codec"):
         cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--layer-d-c", "7=64"])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import sys
@@ -59,6 +60,9 @@ def register(subparsers) -> None:
                         "(retrieval leans on values more than the next-token Fisher says; BENCHMARKS.md)")
     t.add_argument("--warmstart-blocks", type=int, default=32)
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
+    t.add_argument("--group-size", type=int, default=None,
+                   help="latent coordinates per quantisation group, one FP16 min and scale each (default: the "
+                        "backbone's, 32); must divide d_c. Saved with the codec, which is served with it")
     t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
     t.add_argument("--layer-d-c", action="append", default=[], metavar="LAYERS=D_C",
                    help="another latent size for some coded layers, e.g. 3-11=224 (repeatable; ranges skip "
@@ -94,7 +98,7 @@ def run_name(args, source_name: str) -> str:
     if args.rec_reduction != "sum" or args.rec_weight != 1.0:
         name += f"-rec{args.rec_reduction}{args.rec_weight:g}"
     # a different codec shape must never resume another shape's checkpoints
-    for flag in ("d_c", "d_ff", "stride"):
+    for flag in ("d_c", "d_ff", "stride", "group_size"):
         if getattr(args, flag, None):
             name += f"-{flag.replace('_', '')}{getattr(args, flag)}"
     for spec in getattr(args, "layer_d_c", None) or []:
@@ -140,11 +144,16 @@ def cmd_train(args) -> int:
                          "(e.g. d_c = 2*d_k/4 and d_ff = 3*2*d_k, as in configs/backbones/smollm2-135m.yaml)")
     cache_config = start.config if start is not None else base_config(spec)
     args.bits = args.bits or cache_config.bits
-    cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}))
+    cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}),
+                                        **({"group_size": args.group_size} if args.group_size else {}))
     try:
         layer_d_c = parse_layer_d_c(args.layer_d_c, cache_config.coded_layers(model.config.num_hidden_layers))
     except CodecError as error:
         raise SystemExit(str(error)) from None
+    bad = sorted({d for d in (d_c, *layer_d_c.values()) if d % cache_config.group_size})
+    if bad:
+        raise SystemExit(f"--group-size {cache_config.group_size} does not divide the latent size d_c {bad}: "
+                         f"choose a group size that divides it (e.g. {math.gcd(d_c, 32)} or {d_c} for d_c {d_c})")
 
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
