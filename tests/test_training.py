@@ -193,6 +193,19 @@ def test_rec_only_ablation_and_rec_reductions(tmp_path, packed):
     assert summary["loss"] == "rec" and all(row[3] == 0.0 for row in summary["loss_history"])  # ntp column
 
 
+def test_residual_pairs_take_a_latent_group_size_that_does_not_divide_2dk():
+    """The Fisher-PCA init records residual pairs before anything is quantised, so a codec trained in
+    groups that divide its d_c but not 2·d_k (80 for SmolLM2's d_c 160 and 2·d_k 384) warm-starts on the
+    same pairs as one in groups of 32."""
+    from residualkv.training.warmstart import residual_pairs
+
+    codec = tiny_codec(tiny_model())
+    g = next(g for g in (24, 40, 48, 56, 80, 88) if codec.dims.d_kv % g)
+    kv = torch.randn(2, SEQ, codec.dims.d_kv, generator=torch.Generator().manual_seed(0))
+    ref = residual_pairs(kv, codec.config)
+    assert all(torch.equal(x, y) for x, y in zip(ref, residual_pairs(kv, codec.config.replace(group_size=g))))
+
+
 def test_a_codec_carrying_a_serving_window_trains_and_is_scored_without_it(tmp_path, packed):
     """recent_window is a serving setting: a codec whose config holds one (a backbone YAML may set it)
     trains, warm-starts and is scored exactly as without it, and is saved still carrying it."""

@@ -24,6 +24,7 @@ compressed layers < l; the joint phase corrects for that.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -109,7 +110,9 @@ def coding_config(config):
 def residual_pairs(kv: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv, mean_ref) of every coded token of the sequences kv [N, T, d], through the cache's own write path."""
     rec = _PairRecorder(kv.shape[-1])
-    cfg = coding_config(config)
+    # the recorder keeps each pair before the store quantises its 2·d_k-wide "latent", so the group size
+    # only has to divide 2·d_k (a codec's group divides its d_c, e.g. 80 for d_c 160, not always 384)
+    cfg = coding_config(config).replace(group_size=math.gcd(config.group_size, kv.shape[-1]))
     with torch.no_grad():
         for seq in kv.split(1):
             ResidualStore(rec, cfg, ReferenceSchedule(cfg.n_sink, cfg.stride, cfg.stride_alpha)).write(seq)
