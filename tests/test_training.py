@@ -408,6 +408,9 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
     a, b = ResidualCodec.load(start), ResidualCodec.load(out)
     assert (b.dims.d_c, b.dims.d_ff, b.config.stride, b.layer_d_c) == (32, 48, 5, {1: 64, 2: 64})
     assert a.config.group_size == b.config.group_size == 16  # trained in groups of 16, served so
+    assert cli.main(common + ["--steps", "1", "--lr", "1e-12", "--init-from", str(start), "--group-size", "32"]) == 0
+    regrouped = ResidualCodec.load(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
+    assert regrouped.config.group_size == 32 and regrouped.config.stride == 5  # goes on in groups of 32
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
     training = b.extra["training"]

@@ -174,6 +174,8 @@ def cmd_train(args) -> int:
     if args.restart and (out / CHECKPOINTS).exists():
         shutil.rmtree(out / CHECKPOINTS)
     out.mkdir(parents=True, exist_ok=True)
+    if start is not None:
+        start.config = cache_config  # --group-size re-groups the latents it goes on training (and is saved with)
     codec = start if start is not None else ResidualCodec.for_model(model.config, cache_config, d_c=d_c, d_ff=d_ff,
                                                                      layer_d_c=layer_d_c,
                                                                      backbone=backbone, seed=args.seed)
