@@ -153,7 +153,8 @@ def cmd_train(args) -> int:
     bad = sorted({d for d in (d_c, *layer_d_c.values()) if d % cache_config.group_size})
     if bad:
         raise SystemExit(f"--group-size {cache_config.group_size} does not divide the latent size d_c {bad}: "
-                         f"choose a group size that divides it (e.g. {math.gcd(d_c, 32)} or {d_c} for d_c {d_c})")
+                         f"choose a group size that divides it (for d_c {d_c}: "
+                         f"{' or '.join(map(str, sorted({math.gcd(d_c, 32), d_c})))})")
 
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
