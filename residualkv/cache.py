@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kernels._common import use_triton
 
 from .codec import CodecError, LayerCodec, ResidualCodec, model_shape
-from .config import ConfigError, ResidualKVConfig
+from .config import ConfigError, ResidualKVConfig, check_group_size
 from .growing import Growing, grown
 from .rope import RopeTable, apply_rope, invert_rope
 from .schedule import ReferenceSchedule
@@ -378,10 +378,7 @@ class ResidualKVCache(Cache):
         if codec is not None:
             codec.check_compatible(model.config)
             codec.to(model.device)
-            bad = sorted({codec.layer(i).dims.d_c for i in codec.layer_ids if codec.layer(i).dims.d_c % config.group_size})
-            if bad:
-                raise ConfigError(f"invalid group_size={config.group_size}: the codec's latents (d_c {bad}) are not "
-                                  "whole groups; choose a group size that divides d_c (e.g. 32 for d_c 160)")
+            check_group_size(config.group_size, (codec.layer(i).dims.d_c for i in codec.layer_ids))
         n_layers, n_kv, head_dim = model_shape(model.config)
         cache = cls(codec, config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                     rope=RopeTable.from_model(model))

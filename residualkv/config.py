@@ -8,6 +8,7 @@ references, KIVI 4-bit full-attention layers with a 32-token FP16 residual windo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,16 @@ class CodecDims:
             _check(getattr(self, name) > 0, name, getattr(self, name), "use a positive size")
 
 
+def check_group_size(group_size: int, latent_sizes, label: str = "group_size=") -> None:
+    """Latents are quantised in whole groups: refuse a group size that does not divide every latent size
+    (`label` names the setting as the caller's user wrote it, e.g. "--group-size ")."""
+    bad = sorted({int(d) for d in latent_sizes if d % group_size})
+    if bad:
+        options = " or ".join(map(str, sorted({math.gcd(bad[0], 32), bad[0]})))
+        raise ConfigError(f"{label}{group_size} does not divide the latent size d_c {bad}: choose a group size "
+                          f"that divides d_c (for d_c {bad[0]}: {options})")
+
+
 def _check(ok: bool, name: str, value: Any, fix: str) -> None:
     if not ok:
         raise ConfigError(f"invalid {name}={value!r}: {fix}")
@@ -162,4 +173,4 @@ def load_codec_defaults(spec_codec: dict[str, Any], full_attention_layers: list[
     return ResidualKVConfig(full_attention_layers=tuple(full_attention_layers), **kw)
 
 
-__all__ = ["ConfigError", "ResidualKVConfig", "CodecDims", "load_codec_defaults"]
+__all__ = ["ConfigError", "ResidualKVConfig", "CodecDims", "check_group_size", "load_codec_defaults"]

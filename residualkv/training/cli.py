@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
 import sys
@@ -119,6 +118,7 @@ def cmd_train(args) -> int:
     from ..backbones import load_backbone
     from ..cli import base_config, codecs_dir, resolve_codec
     from ..codec import CodecError, ResidualCodec, parse_layer_d_c
+    from ..config import ConfigError, check_group_size
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,11 +150,10 @@ def cmd_train(args) -> int:
         layer_d_c = parse_layer_d_c(args.layer_d_c, cache_config.coded_layers(model.config.num_hidden_layers))
     except CodecError as error:
         raise SystemExit(str(error)) from None
-    bad = sorted({d for d in (d_c, *layer_d_c.values()) if d % cache_config.group_size})
-    if bad:
-        raise SystemExit(f"--group-size {cache_config.group_size} does not divide the latent size d_c {bad}: "
-                         f"choose a group size that divides it (for d_c {d_c}: "
-                         f"{' or '.join(map(str, sorted({math.gcd(d_c, 32), d_c})))})")
+    try:
+        check_group_size(cache_config.group_size, (d_c, *layer_d_c.values()), label="--group-size ")
+    except ConfigError as error:
+        raise SystemExit(str(error)) from None
 
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
