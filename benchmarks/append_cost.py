@@ -2,7 +2,7 @@
 residualkv.growing) against appending in place (`Growing`), side by side in one process.
 
 One compressed layer's store holds N tokens: an FP8 reference every `stride` tokens, and for every
-other token its packed INT4 latent, FP16 mins/scales (groups of 32) and int16 reference indices
+other token its packed INT4 latent, FP16 mins/scales (groups of 32) and bit-packed reference indices
 (k = 4), with the shapes of the real cache. Then S decode steps each store one token, the way
 `ResidualStore._code` does (a reference or a code). Per step: median time, and the bytes the step
 copies (torch.cat copies every stored byte; `Growing` copies the new token, plus, when it runs out
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from residualkv.growing import Growing  # noqa: E402
-from residualkv.quant import Packed  # noqa: E402
+from residualkv.quant import Packed, index_bits, pack_indices  # noqa: E402
 
 SHAPES = {  # d_kv = 2 * KV heads * head dim; d_c: the latent; layers: compressed layers of the model
     "smollm2-135m": dict(d_kv=384, d_c=160, stride=11, layers=25),
@@ -48,7 +48,7 @@ def _fields(n_tok: int, d_kv: int, d_c: int, stride: int, dev) -> dict[str, torc
     return {"refs": torch.randint(0, 255, (1, R, d_kv), **u8),
             "codes": Packed(torch.randint(0, 255, (1, C, d_c // 2), **u8),
                             torch.randn(1, C, g, device=dev).half(), torch.rand(1, C, g, device=dev).half()),
-            "ref_idx": torch.randint(0, R, (1, C, K), dtype=torch.int16, device=dev)}
+            "ref_idx": pack_indices(torch.randint(0, R, (1, C, K), device=dev), index_bits(R)).data}
 
 
 def _nbytes(x) -> int:

@@ -103,7 +103,7 @@ from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.stores import KiviStore, ResidualStore  # noqa: E402
 from residualkv.codec import LayerCodec, ResidualCodec  # noqa: E402
 from residualkv.config import CodecDims, ResidualKVConfig  # noqa: E402
-from residualkv.quant import Packed, decode_ref, encode_ref, quantize  # noqa: E402
+from residualkv.quant import Packed, PackedIndices, decode_ref, encode_ref, index_bits, pack_indices, quantize  # noqa: E402
 from residualkv.rope import RopeTable, apply_rope, invert_rope  # noqa: E402
 from residualkv.schedule import ReferenceSchedule  # noqa: E402
 
@@ -310,7 +310,7 @@ def micro_benchmarks(dev, quick, shapes: Shapes, peak, budget: Budget) -> tuple[
     for B in ((2,) if quick else (1, 8)):
         codes = quantize_pack(torch.randn(B, C, d_c, device=dev, generator=gen), 4, 32)
         rf = encode_ref(torch.randn(B, Rr, d_kv, device=dev, generator=gen), "fp8")
-        ridx = torch.randint(0, Rr, (B, C, k), device=dev, generator=gen, dtype=torch.int64).to(torch.int16)
+        ridx = pack_indices(torch.randint(0, Rr, (B, C, k), device=dev, generator=gen), index_bits(Rr))
         for n_sel in ((40,) if quick else (2048, 16384)):
             if budget.left() < reserve:
                 notes.append(f"reconstruct B={B} n_sel={n_sel}: skipped, time budget")
@@ -504,7 +504,7 @@ class KernelResidualLayer(_Layer):
         p = quantize_pack(z, cfg.bits, cfg.group_size, impl="triton")
         for name, t in zip(("codes", "mins", "scales"), p):
             s[name][:, self.C] = t[:, 0]
-        s["ridx"][:, self.C] = idx[:, 0].to(s["ridx"].dtype)
+        s["ridx"][:, self.C] = pack_indices(idx[:, 0], s["idx_bits"]).data
         self.C += 1
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -520,7 +520,7 @@ class KernelResidualLayer(_Layer):
         # codes: the fused kernel writes K (RoPE'd) and V in place
         sel = torch.arange(C, device=key_states.device)[None]
         packed = Packed(s["codes"][:, :C], s["mins"][:, :C], s["scales"][:, :C])
-        reconstruct_selected(packed, s["ridx"][:, :C], s["refs"][:, :R], self.codec, sel,
+        reconstruct_selected(packed, PackedIndices(s["ridx"][:, :C], s["idx_bits"], self.cfg.k), s["refs"][:, :R], self.codec, sel,
                              positions=sh.code_pos[:C][None], inv_freq=sh.inv_freq, rope_scale=sh.rope_scale,
                              bits=self.cfg.bits, group=self.cfg.group_size, num_kv_heads=H, out_dtype=sh.k.dtype,
                              out=(sh.k[:, :, R : R + C], sh.v[:, :, R : R + C]), impl="triton")
@@ -562,7 +562,10 @@ def synthetic_state(model_cfg, cfg: ResidualKVConfig, d_c, n, steps, B, dev, gen
             layers[i] = {"R": R, "C": C,
                          "refs": encode_ref(torch.randn(B, Rcap, d_kv, device=dev, generator=gen) * 2, "fp8"),
                          "codes": codes.codes, "mins": codes.mins, "scales": codes.scales,
-                         "ridx": torch.randint(0, max(R, 1), (B, Ccap, cfg.k), device=dev, generator=gen).to(torch.int16)}
+                         # one index width for the whole run: the capacity's (the library widens as it grows)
+                         "idx_bits": index_bits(Rcap),
+                         "ridx": pack_indices(torch.randint(0, max(R, 1), (B, Ccap, cfg.k), device=dev, generator=gen),
+                                              index_bits(Rcap)).data}
     return layers, sched
 
 
@@ -583,7 +586,8 @@ def library_cache(model, codec, cfg, layers_state, n, B, dev):
             R, C = st["R"], st["C"]
             store.refs = st["refs"][:, :R].clone()
             store.codes = Packed(st["codes"][:, :C].clone(), st["mins"][:, :C].clone(), st["scales"][:, :C].clone())
-            store.ref_idx = st["ridx"][:, :C].clone()
+            store.idx_bits = index_bits(R)
+            store.ref_idx = pack_indices(PackedIndices(st["ridx"][:, :C], st["idx_bits"], cfg.k).unpack(), store.idx_bits).data
             store.n_coded = n
         layer.stores = [store]
         layer.n_slots = n

@@ -23,7 +23,7 @@ def capture_launches(full: bool = True) -> list[tuple[str, object, tuple, dict]]
     from residualkv.stores import KiviStore
     from residualkv.codec import LayerCodec
     from residualkv.config import CodecDims, ResidualKVConfig
-    from residualkv.quant import encode_ref, quantize
+    from residualkv.quant import encode_ref, index_bits, pack_indices, quantize
 
     import importlib
 
@@ -57,7 +57,7 @@ def capture_launches(full: bool = True) -> list[tuple[str, object, tuple, dict]]
         H, D, d_c = 2, 128, 512
         codes = quantize(torch.randn(1, 8, d_c), 4, 32)
         refs = encode_ref(torch.randn(1, 5, 2 * H * D), "fp8")
-        ridx = torch.randint(0, 5, (1, 8, 4), dtype=torch.int16)
+        ridx = pack_indices(torch.randint(0, 5, (1, 8, 4)), index_bits(5))
         cos = torch.randn(1, 3, D)
         dtypes = (torch.float32, torch.bfloat16) if full else (torch.bfloat16,)
         sel = torch.tensor([[0, 1, 2]])

@@ -3,7 +3,8 @@
 For each selected latent-code token i of a batch row:
 
     z~_i      = dequantize(codes_i, mins_i, scales_i)                     (b-bit, groups of g)
-    mean_i    = mean of decode_fp8(refs[j]) over the valid j in ref_idx_i  (k_i <= k references)
+    mean_i    = mean of decode_fp8(refs[j]) over the valid j in ref_idx_i  (k_i <= k references; the
+                indices bit-packed, quant.PackedIndices, and unpacked in registers)
     kv^_i     = z~_i W_d + mean_i           (W_d: nn.Linear weight [2·d_k, d_c]; identity codec: z~_i)
     K_i | V_i = split(kv^_i);  K_i = RoPE(K_i, position of token i)
     written as K, V [B, H, n_sel, D]
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from residualkv.quant import Packed, decode_ref, dequantize
+from residualkv.quant import Packed, PackedIndices, decode_ref, dequantize, index_span, unpack_indices
 from residualkv.retrieval import mean_of_refs
 from residualkv.rope import apply_rope
 
@@ -71,7 +72,7 @@ def rope_from_positions(positions: torch.Tensor, inv_freq: torch.Tensor, scale: 
     return emb.cos() * scale, emb.sin() * scale
 
 
-def reconstruct_selected_reference(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tensor, decoder,
+def reconstruct_selected_reference(codes: Packed, ref_idx: PackedIndices, refs: torch.Tensor, decoder,
                                    sel: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                                    *, bits: int, group: int, num_kv_heads: int, ref_format: str = "fp8",
                                    positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
@@ -101,7 +102,7 @@ def _reference(codes, ref_idx, refs, decoder, sel, cos, sin, bits, group, num_kv
     rows = torch.arange(B, device=sel.device)[:, None]
     picked = Packed(codes.codes[rows, s], codes.mins[rows, s], codes.scales[rows, s])
     z = dequantize(picked, bits, group)  # [B, n, d_c]
-    mean = mean_of_refs(decode_ref(refs, ref_format), ref_idx[rows, s].long())
+    mean = mean_of_refs(decode_ref(refs, ref_format), unpack_indices(ref_idx.data[rows, s], ref_idx.bits, ref_idx.k))
     kv = _decode(decoder, z).float() + mean
     kv = kv * valid[..., None]
     k, v = kv.split(H * D, dim=-1)
@@ -116,7 +117,8 @@ def _reconstruct_kernel(codes_ptr, mins_ptr, scales_ptr, ridx_ptr, refs_ptr, w_p
                         s_cb, s_cc, s_mb, s_mc, s_ib, s_ic, s_rb, s_rr, s_sb, s_csb, s_csn, s_pb,
                         s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
                         H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BITS: tl.constexpr,
-                        GROUP: tl.constexpr, KREF: tl.constexpr, REF_FP8: tl.constexpr, HAS_W: tl.constexpr,
+                        GROUP: tl.constexpr, KREF: tl.constexpr, IDX_BITS: tl.constexpr, IDX_BYTES: tl.constexpr,
+                        IDX_SPAN: tl.constexpr, REF_FP8: tl.constexpr, HAS_W: tl.constexpr,
                         ROPE_POS: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -190,7 +192,12 @@ def _reconstruct_kernel(codes_ptr, mins_ptr, scales_ptr, ridx_ptr, refs_ptr, w_p
     count = tl.zeros([BLOCK_N], tl.float32)
     ridx_row = ridx_ptr + b * s_ib + tok * s_ic
     for kk in tl.static_range(KREF):
-        ri = tl.load(ridx_row + kk, mask=live, other=-1).to(tl.int64)
+        # index kk fills bits kk·IDX_BITS .. of the code's little-endian index bytes, stored + 1 (0 = unused)
+        v = tl.zeros([BLOCK_N], tl.int64)
+        for t in tl.static_range(IDX_SPAN):
+            if (kk * IDX_BITS) // 8 + t < IDX_BYTES:
+                v |= tl.load(ridx_row + (kk * IDX_BITS) // 8 + t, mask=live, other=0).to(tl.int64) << (8 * t)
+        ri = ((v >> ((kk * IDX_BITS) % 8)) & ((1 << IDX_BITS) - 1)) - 1
         ok = ri >= 0
         rm = ok[:, None] & jmask[None, :]
         ref_row = refs_ptr + b * s_rb + tl.where(ok, ri, 0)[:, None] * s_rr
@@ -241,7 +248,7 @@ def _reconstruct_kernel(codes_ptr, mins_ptr, scales_ptr, ridx_ptr, refs_ptr, w_p
 _kernel = LazyKernel(_reconstruct_kernel)
 
 
-def reconstruct_selected(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tensor, decoder, sel: torch.Tensor,
+def reconstruct_selected(codes: Packed, ref_idx: PackedIndices, refs: torch.Tensor, decoder, sel: torch.Tensor,
                          cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *, bits: int, group: int,
                          num_kv_heads: int, ref_format: str = "fp8", positions: torch.Tensor | None = None,
                          inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0,
@@ -250,7 +257,7 @@ def reconstruct_selected(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tenso
     """Rebuild the selected latent-code tokens of one layer and one row group of a ResidualStore.
 
     codes: Packed with fields [B, C, d_c*bits/8] uint8, [B, C, d_c/group] fp16 (mins, scales)
-    ref_idx: [B, C, k] int16/int32, -1 = unused slot      refs: [B, R, 2·d_k] stored (uint8 FP8 bytes or fp16)
+    ref_idx: PackedIndices, data [B, C, ceil(k·bits/8)] uint8     refs: [B, R, 2·d_k] stored (uint8 FP8 bytes or fp16)
     decoder: a `LayerCodec`, its W_d weight [2·d_k, d_c], or None (identity codec)
     sel: [B or 1, n_sel] code ordinals (indices along C), -1 = padding; n_sel may be 0
     RoPE at each selected token's own position, either
@@ -296,7 +303,7 @@ def reconstruct_selected(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tenso
     c, mins, scales = (_dense_last(t) for t in codes)
     if mins.stride() != scales.stride():
         mins, scales = mins.contiguous(), scales.contiguous()
-    ridx = _dense_last(ref_idx)
+    ridx = _dense_last(ref_idx.data)
     r = _dense_last(refs)
     s = _dense_last(sel.expand(B, n_sel))
     if cos is not None:
@@ -325,7 +332,8 @@ def reconstruct_selected(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tenso
                   r.stride(0), r.stride(1), s.stride(0),
                   0 if rope_pos else cos.stride(0), 0 if rope_pos else cos.stride(1), s_pb,
                   k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
-                  H=H, D=D, DC=d_c, BITS=bits, GROUP=group, KREF=ridx.shape[-1], REF_FP8=r.dtype == torch.uint8,
+                  H=H, D=D, DC=d_c, BITS=bits, GROUP=group, KREF=ref_idx.k, IDX_BITS=ref_idx.bits,
+                  IDX_BYTES=ridx.shape[-1], IDX_SPAN=index_span(ref_idx.bits), REF_FP8=r.dtype == torch.uint8,
                   HAS_W=w is not None, ROPE_POS=rope_pos, IEEE=upcast or (w is not None and w.dtype == torch.float32), UPCAST=upcast,
                   HALF_P=max(16, next_pow2(D // 2)), BLOCK_N=block_n, num_warps=num_warps)
     return k_out, v_out
@@ -335,7 +343,7 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def bytes_moved(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tensor, decoder, sel: torch.Tensor,
+def bytes_moved(codes: Packed, ref_idx: PackedIndices, refs: torch.Tensor, decoder, sel: torch.Tensor,
                 rope: torch.Tensor, out_dtype: torch.dtype) -> tuple[int, int]:
     """(bytes read, bytes written) that one call must move at least.
 
@@ -348,9 +356,9 @@ def bytes_moved(codes: Packed, ref_idx: torch.Tensor, refs: torch.Tensor, decode
     valid = sel >= 0
     s = sel.clamp(min=0).long()
     rows = torch.arange(B, device=sel.device)[:, None]
-    per_tok = (codes.codes.shape[-1] * 1 + 2 * codes.mins.shape[-1] * 2 + ref_idx.shape[-1] * ref_idx.element_size())
+    per_tok = (codes.codes.shape[-1] * 1 + 2 * codes.mins.shape[-1] * 2 + ref_idx.data.shape[-1])
     read = int(valid.sum()) * per_tok
-    idx = ref_idx[rows, s].long()
+    idx = unpack_indices(ref_idx.data[rows, s], ref_idx.bits, ref_idx.k)
     idx = torch.where(valid[..., None] & (idx >= 0), idx, -1)
     distinct = sum(int(torch.unique(idx[b][idx[b] >= 0]).numel()) for b in range(B))
     read += distinct * refs.shape[-1] * refs.element_size()

@@ -9,9 +9,12 @@ the decoder will use: the rounding error is at most half a step of the stored sc
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
+
+from .growing import take_rows
 
 FP16_MAX = 65504.0
 FP8_E4M3_MAX = 448.0
@@ -102,6 +105,86 @@ def quant_error_bound(z: torch.Tensor, bits: int, group: int) -> tuple[torch.Ten
     tight = (group * rng.pow(2)).sum(-1).sqrt() / (2 * levels)
     loose = (group / 2) ** 0.5 / levels * z.float().norm(dim=-1)
     return tight, loose
+
+
+# ---- reference indices: k per code, each as few bits as the references held need ----
+
+class PackedIndices(NamedTuple):
+    """The k reference indices of each code (seed §2.3), `bits` each: index j of a row fills bits
+    j·bits .. (j+1)·bits − 1 of the row's little-endian bytes, stored + 1 so that 0 means an unused slot
+    (a code that saw fewer than k references). ceil(k·bits / 8) bytes per code; a row never shares a
+    byte with the next, so one code's indices can be read alone."""
+
+    data: torch.Tensor  # uint8 [..., ceil(k * bits / 8)]
+    bits: int
+    k: int
+
+    def unpack(self) -> torch.Tensor:
+        return unpack_indices(self.data, self.bits, self.k)
+
+    def rows(self, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """The indices [N, k] (long, −1 = unused) of the codes at (batch row b, code c) pairs."""
+        return unpack_indices(take_rows(self.data, b, c), self.bits, self.k)
+
+
+def index_bits(n_refs: int) -> int:
+    """Bits an index needs to name any of `n_refs` references, or none (stored + 1: 0 .. n_refs)."""
+    return max(1, int(n_refs).bit_length())
+
+
+def index_span(bits: int) -> int:
+    """Bytes one index can touch: it may start at bit 7 of a byte."""
+    return (7 + bits + 7) // 8
+
+
+def _one_word(k: int, bits: int) -> bool:
+    """A row of indices fits one int64, read in the machine's (little-endian) byte order."""
+    return k * bits <= 64 and sys.byteorder == "little"
+
+
+def _index_layout(k: int, bits: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    start = torch.arange(k, device=device) * bits
+    return start // 8, start % 8, index_span(bits)
+
+
+def pack_indices(idx: torch.Tensor, bits: int, check: bool = True) -> PackedIndices:
+    """idx [..., k] integers in [−1, 2^bits − 1) (−1 = unused) -> PackedIndices. `check=False` skips the
+    range check (two device syncs) where the indices are in range by construction (the store's writes)."""
+    k = idx.shape[-1]
+    if bits > 56:  # the shifts below work in int64
+        raise ValueError(f"{bits}-bit reference indices: at most 56 bits are supported")
+    v = idx.long() + 1
+    if check and v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << bits):
+        raise ValueError(f"reference indices must lie in [-1, {(1 << bits) - 1}) to be stored in {bits} bits")
+    nb = (k * bits + 7) // 8
+    if _one_word(k, bits):  # the row's bits as one little-endian int64 (no overlap: the sum is the or)
+        word = (v << (torch.arange(k, device=idx.device) * bits)).sum(-1, keepdim=True)
+        return PackedIndices(word.view(torch.uint8)[..., :nb].contiguous(), bits, k)
+    b0, sh, span = _index_layout(k, bits, idx.device)
+    out = torch.zeros(*idx.shape[:-1], nb + span, dtype=torch.int64, device=idx.device)
+    shifted = v << sh
+    for t in range(span):
+        # the indices' bits never overlap, so adding the parts of a shared byte is or-ing them
+        out.scatter_add_(-1, (b0 + t).expand_as(v), (shifted >> (8 * t)) & 0xFF)
+    return PackedIndices(out[..., :nb].to(torch.uint8), bits, k)
+
+
+def unpack_indices(data: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """uint8 [..., nb] (see `PackedIndices`) -> long [..., k], −1 = unused."""
+    nb = data.shape[-1]
+    if nb != (k * bits + 7) // 8:
+        raise ValueError(f"{nb} bytes per code do not hold {k} indices of {bits} bits")
+    if _one_word(k, bits):  # ~6x faster on CPU than the byte gathers below (an 8K read unpacks 30K indices)
+        word = data.new_zeros(*data.shape[:-1], 8)
+        word[..., :nb] = data
+        shifts = torch.arange(k, device=data.device) * bits
+        return ((word.view(torch.int64) >> shifts) & ((1 << bits) - 1)) - 1
+    b0, sh, span = _index_layout(k, bits, data.device)
+    padded = torch.nn.functional.pad(data, (0, span)).long()  # an index near the end reads zeros past it
+    v = padded[..., b0]
+    for t in range(1, span):
+        v |= padded[..., b0 + t] << (8 * t)
+    return ((v >> sh) & ((1 << bits) - 1)) - 1
 
 
 # ---- FP8 / FP16 reference storage ----

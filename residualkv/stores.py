@@ -17,7 +17,7 @@ import torch
 from .codec import LayerCodec
 from .config import ResidualKVConfig
 from .growing import Growing, grown, take_rows
-from .quant import Packed, decode_ref, dequantize, encode_ref, quantize
+from .quant import Packed, PackedIndices, decode_ref, dequantize, encode_ref, index_bits, pack_indices, quantize
 from .retrieval import mean_of_refs
 from .rope import apply_rope
 from .schedule import ReferenceSchedule
@@ -88,7 +88,8 @@ class ResidualStore:
     # grown in place along the token axis (residualkv.growing): a step appends, it does not copy
     refs = grown("_refs")  # [B, R, d] uint8 (fp8 bytes) or fp16
     codes = grown("_codes")  # Packed, fields [B, C, ...]
-    ref_idx = grown("_ref_idx")  # [B, C, k] int16 (int32 past 32767 refs), -1 = unused
+    # [B, C, ceil(k·idx_bits/8)] uint8: each code's k reference indices, idx_bits each (quant.PackedIndices)
+    ref_idx = grown("_ref_idx")
     # After a SnapKV eviction (`evict`, one row per store) the kept tokens are no longer every
     # ordinal: their ordinals are listed, and references kept only because codes need them are
     # hidden from attention. None = the dense layout (ordinal i is token i, refs from the schedule).
@@ -105,6 +106,9 @@ class ResidualStore:
         self.win: torch.Tensor | None = None  # [B, w, d] fp16 pre-RoPE keys ‖ values
         self._refs, self._codes, self._ref_idx = Growing(dim=1), Growing(dim=1), Growing(dim=1)
         self._ref_ord, self._code_ord, self._ref_visible = Growing(dim=0), Growing(dim=0), Growing(dim=0)
+        # as wide as the references held need (8 bits up to 255 of them): widened, and every code's indices
+        # repacked, when the count passes a power of two (a few times over a sequence); narrowed by evict
+        self.idx_bits = 0
         self.evicted_refs = 0
         self.evicted_codes = 0
         # instrumentation (what reads really reconstructed): latent codes decoded, references read
@@ -134,6 +138,10 @@ class ResidualStore:
         """A tensor the store holds, for its batch size, feature width and device (None while empty): the
         references, or before the first one is coded the recent window."""
         return self.win if self.refs is None else self.refs
+
+    @property
+    def indices(self) -> PackedIndices | None:
+        return None if self.ref_idx is None else PackedIndices(self.ref_idx, self.idx_bits, self.cfg.k)
 
     def decoded_refs(self) -> torch.Tensor | None:
         return None if self.refs is None else decode_ref(self.refs, self.cfg.ref_format)
@@ -207,10 +215,12 @@ class ResidualStore:
         packed = quantize_pack(z.detach(), cfg.bits, cfg.group_size, impl=cfg.kernel_impl)
         z_hat = z + (dequantize(packed, cfg.bits, cfg.group_size) - z).detach()
         self._codes.append(packed)
-        idx_dtype = torch.int16 if self.n_refs <= torch.iinfo(torch.int16).max else torch.int32
-        if self.ref_idx is not None and self.ref_idx.dtype != idx_dtype:
-            self.ref_idx = self.ref_idx.to(idx_dtype)
-        self._ref_idx.append(idx.to(idx_dtype))
+        bits = index_bits(self.n_refs)
+        if bits > self.idx_bits:
+            if self.ref_idx is not None:
+                self.ref_idx = pack_indices(self.indices.unpack(), bits).data
+            self.idx_bits = bits
+        self._ref_idx.append(pack_indices(idx, bits, check=False).data)  # topk named one of the n_refs
         return self.codec.decode(z_hat).float() + mean
 
     def _ref_table(self, b: torch.Tensor, r: torch.Tensor,
@@ -291,7 +301,7 @@ class ResidualStore:
                 out[:, is_code], fused = self._reconstruct_kernel(sel, code_rope)
                 rotated = is_code.expand(B, -1) if fused else None
             else:
-                mean = mean_of_refs(refs, self.ref_idx.long())
+                mean = mean_of_refs(refs, self.indices.unpack())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
                 out[:, is_code] = self._decode(z, mean, zs is not None)
                 if zs is not None:
@@ -332,7 +342,7 @@ class ResidualStore:
             heads = next(h for h in range(1, half + 1) if half % h == 0 and (half // h) % 2 == 0 and half // h <= 128)
             cos = torch.ones(1, n, half // heads, device=sel.device)
             sin = torch.zeros_like(cos)
-        k, v = reconstruct_selected(self.codes, self.ref_idx, self.refs, self.codec, sel, cos, sin,
+        k, v = reconstruct_selected(self.codes, self.indices, self.refs, self.codec, sel, cos, sin,
                                     bits=cfg.bits, group=cfg.group_size, num_kv_heads=heads, ref_format=cfg.ref_format,
                                     impl=cfg.kernel_impl)
         return torch.cat([flat_heads(k), flat_heads(v)], dim=-1), fused
@@ -400,7 +410,7 @@ class ResidualStore:
         rotated = None
         if rb.numel() or cb.numel():
             # which references are read: the selected ones and those the selected codes average, each once
-            idx = take_rows(self.ref_idx, cb, cp).long() if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
+            idx = self.indices.rows(cb, cp) if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
             ok = idx >= 0
             # every code past the first k references has all k of them: then no mask is needed to list the pairs
             all_ok = bool(ok.all())
@@ -458,7 +468,7 @@ class ResidualStore:
             s.win = None if self.win is None else self.win[b : b + 1].clone()
             if self.codes is not None:
                 s.codes = Packed(*(t[b : b + 1].clone() for t in self.codes))
-                s.ref_idx = self.ref_idx[b : b + 1].clone()
+                s.ref_idx, s.idx_bits = self.ref_idx[b : b + 1].clone(), self.idx_bits
             for name in ("ref_ord", "code_ord", "ref_visible"):
                 setattr(s, name, getattr(self, name))
             out.append(s)
@@ -485,14 +495,16 @@ class ResidualStore:
         kept_refs = visible.clone()
         code_pos = pos[~is_ref]
         if C:
-            idx = self.ref_idx[0, code_pos].long()
+            idx = self.indices.rows(torch.zeros_like(code_pos), code_pos)
             kept_refs[idx[idx >= 0]] = True
             remap = torch.where(kept_refs, torch.cumsum(kept_refs.long(), 0) - 1, -1)
             new_idx = torch.where(idx >= 0, remap[idx.clamp(min=0)], -1)
             if bool((new_idx[idx >= 0] < 0).any()):  # cannot happen: every needed reference is kept
                 raise RuntimeError("eviction would leave a code pointing at an evicted reference")
             self.codes = Packed(*(t[:, code_pos] for t in self.codes))
-            self.ref_idx = new_idx[None].to(self.ref_idx.dtype)
+            # fewer references: the indices may need fewer bits
+            self.idx_bits = index_bits(int(kept_refs.sum()))
+            self.ref_idx = pack_indices(new_idx[None], self.idx_bits).data
         self.refs = self.refs[:, kept_refs]
         self.ref_ord = sched_refs[kept_refs].to(torch.int32)
         self.ref_visible = visible[kept_refs]

@@ -12,7 +12,7 @@ from residualkv.cache import KiviLayer, ResidualKVCache, ResidualLayer
 from residualkv.codec import CodecError, ResidualCodec, parse_layer_d_c
 from residualkv.config import ResidualKVConfig
 from residualkv.methods import build_cache
-from residualkv.quant import dequantize, quantize
+from residualkv.quant import dequantize, index_bits, quantize
 from residualkv.stores import KiviStore
 from transformers import LlamaForCausalLM
 
@@ -104,7 +104,10 @@ def test_every_token_is_stored_compressed_while_decoding(tiny_model):
             n_refs = cache.rows.schedule.count(n)
             assert store.refs.shape[:2] == (2, n_refs) and store.refs.dtype == torch.uint8
             assert store.codes.codes.shape[:2] == (2, n - n_refs) and store.codes.codes.dtype == torch.uint8
-            assert store.ref_idx.shape == (2, n - n_refs, cfg.k) and store.ref_idx.dtype == torch.int16
+            # k indices of index_bits(n_refs) bits each, packed per code
+            nbytes = (cfg.k * n_refs.bit_length() + 7) // 8
+            assert store.ref_idx.shape == (2, n - n_refs, nbytes) and store.ref_idx.dtype == torch.uint8
+            assert store.indices.unpack().shape == (2, n - n_refs, cfg.k)
         else:
             assert store.kq.codes.dtype == torch.uint8 and store.win_k.shape[2] == (n - 1) % 32 + 1
 
@@ -294,6 +297,33 @@ def test_rkv_accounting_takes_method_variants_smollm2(smollm2):
     assert bad.returncode == 2 and "unknown method 'kivi2-w64'" in bad.stderr
 
 
+def test_reference_indices_widen_as_references_pass_a_power_of_two_and_narrow_on_eviction():
+    """Indices take index_bits(references held) bits: a store written token by token across 256
+    references repacks its history to 9 bits and holds what one prefill of the same tokens holds; an
+    eviction that keeps few references narrows them again, and the kept tokens read as before."""
+    from residualkv.stores import ResidualStore
+    from residualkv.schedule import ReferenceSchedule
+
+    codec = ResidualCodec.for_model(tiny_llama_config(), cfg := ResidualKVConfig(), d_c=32, d_ff=48).layer(0)
+    kv = torch.randn(1, 540, 64, generator=torch.Generator().manual_seed(0)).half().float()
+    once, steps = (ResidualStore(codec, cfg, ReferenceSchedule(2, 2)) for _ in range(2))
+    with torch.no_grad():
+        once.write(kv)
+        steps.write(kv[:, :500])
+        assert (steps.n_refs, steps.idx_bits, steps.ref_idx.shape[-1]) == (251, 8, 4)
+        for i in range(500, 540):
+            steps.write(kv[:, i : i + 1])
+        assert steps.n_refs == once.n_refs == 271 and steps.idx_bits == once.idx_bits == 9
+        assert steps.ref_idx.shape == once.ref_idx.shape == (1, 269, 5)  # 4 x 9 bits in 5 bytes
+        assert torch.equal(steps.ref_idx, once.ref_idx) and torch.equal(steps.read(), once.read())
+        keep = torch.tensor([0, 3, 99, 101, 333, 535, 537])
+        before = once.read()[:, keep]
+        once.evict(keep)
+        assert once.n_refs <= len(keep) * cfg.k and once.idx_bits == index_bits(once.n_refs) < 9
+        assert once.ref_idx.shape[-1] == (cfg.k * once.idx_bits + 7) // 8
+        assert torch.equal(once.read_selected(keep[None]), before)
+
+
 def test_recent_window_holds_the_newest_tokens_exact_and_codes_the_rest_as_without_it():
     """With recent_window W, the newest W tokens are held in FP16 and each is coded when it leaves: the
     coded bytes are those of a store without a window (fed the same FP16 values), however the writes
@@ -314,7 +344,7 @@ def test_recent_window_holds_the_newest_tokens_exact_and_codes_the_rest_as_witho
         n_codes = win.codes.codes.shape[1]
         assert torch.equal(win.refs, plain.refs[:, : win.n_refs])
         assert torch.equal(win.codes.codes, plain.codes.codes[:, :n_codes])
-        assert torch.equal(win.ref_idx, plain.ref_idx[:, :n_codes])
+        assert torch.equal(win.indices.unpack(), plain.indices.unpack()[:, :n_codes])
         got, ref = win.read(), plain.read()
         assert torch.equal(got[:, :54], ref[:, :54])
         assert torch.equal(got[:, 54:], kv[:, 54:].half().float())

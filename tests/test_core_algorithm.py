@@ -8,7 +8,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from residualkv.codec import LayerCodec
 from residualkv.config import CodecDims, ConfigError, ResidualKVConfig
-from residualkv.quant import decode_ref, dequantize, encode_ref, pack_bits, quant_error_bound, quantize, ref_roundtrip, unpack_bits
+from residualkv.quant import (decode_ref, dequantize, encode_ref, index_bits, pack_bits, pack_indices, quant_error_bound,
+                              quantize, ref_roundtrip, unpack_bits, unpack_indices)
 from residualkv.retrieval import mean_of_refs, topk_refs
 from residualkv.rope import RopeTable, apply_rope, invert_rope
 from residualkv.schedule import ReferenceSchedule
@@ -188,6 +189,25 @@ def test_fp8_references_are_one_byte():
     rt = ref_roundtrip(x, "fp8")
     assert ((rt - x).abs() <= x.abs() * 2**-3 + 2**-9).all()  # e4m3: 3 mantissa bits
     assert torch.isfinite(ref_roundtrip(torch.tensor([1e6, -1e6]), "fp8")).all()  # saturates, no NaN
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 8])
+def test_reference_indices_pack_into_as_few_bits_as_the_references_need(k):
+    # every width up to 2^20 references, with unused slots (-1) and the largest index of each width
+    for bits in range(1, 21):
+        idx = torch.randint(-1, (1 << bits) - 1, (5, 9, k), generator=torch.Generator().manual_seed(bits))
+        idx[0, 0] = (1 << bits) - 2
+        p = pack_indices(idx, bits)
+        assert p.data.dtype == torch.uint8 and p.data.shape == (5, 9, math.ceil(k * bits / 8))
+        assert torch.equal(p.unpack(), idx) and torch.equal(unpack_indices(p.data, bits, k), idx)
+        # a row decodes alone: its bytes are its own
+        assert torch.equal(unpack_indices(p.data[2:3, 4:6], bits, k), idx[2:3, 4:6])
+    # 255 references (+ the unused mark) fit 8 bits: 4 bytes for k = 4 where int16 took 8
+    assert index_bits(255) == 8 and index_bits(256) == 9 and index_bits(0) == 1
+    with pytest.raises(ValueError, match=r"\[-1, 255\)"):
+        pack_indices(torch.tensor([[255]]), 8)
+    with pytest.raises(ValueError, match="bytes per code"):
+        unpack_indices(torch.zeros(2, 3, dtype=torch.uint8), 8, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -204,7 +204,7 @@ def _store_tensors(B, C, R, H, D, d_c, k, bits, ref_format, seed):
     ridx = torch.randint(-1, R, (B, C, k), generator=g)
     ridx[..., 0] = torch.randint(0, R, (B, C), generator=g)  # every token has at least one reference
     ridx[0, 0, :] = -1  # ... except one, whose mean is then zero (count clamped to 1, as the reference)
-    return codes, ridx.to(torch.int16).to(DEV), refs
+    return codes, quant.pack_indices(ridx.to(DEV), quant.index_bits(R)), refs
 
 
 def _selection(B, C, n_sel, seed):
@@ -264,6 +264,22 @@ def test_reconstruct_selected_variants(variant):
         _close(a, b, tol)
 
 
+@pytest.mark.parametrize("R", [255, 256, 700, 5000])
+def test_reconstruct_selected_unpacks_wide_indices(R):
+    """Indices of 8, 9, 10 and 13 bits: the kernel unpacks those that straddle bytes as the library does."""
+    B, C, H, D, d_c, n_sel = 2, 24, 1, 32, 32, 20
+    codes, ridx, refs = _store_tensors(B, C, R, H, D, d_c, 4, 4, "fp8", seed=R)
+    assert ridx.bits == R.bit_length() and ridx.data.shape[-1] == (4 * ridx.bits + 7) // 8
+    codec = LayerCodec(CodecDims(2 * H * D, d_c, 16)).to(DEV)
+    sel = _selection(B, C, n_sel, seed=5)
+    cos, sin = _randn(B, n_sel, D, seed=1), _randn(B, n_sel, D, seed=2)
+    kw = dict(bits=4, group=32, num_kv_heads=H)
+    got = reconstruct_selected(codes, ridx, refs, codec, sel, cos, sin, impl="triton", **kw)
+    want = reconstruct_selected_reference(codes, ridx, refs, codec, sel, cos, sin, **kw)
+    for a, b in zip(got, want):
+        _close(a, b, 1e-5)
+
+
 def test_reconstruct_selected_rope_from_positions_and_out_views():
     """RoPE angles computed in the kernel from positions (the model's inv_freq, llama3 scaling), and
     results written into slices of a preallocated [B, H, N, D] attention buffer."""
@@ -309,7 +325,7 @@ def test_reconstruct_selected_equals_what_the_store_reads(bits):
     positions = code_pos.to(DEV)[sel]
     rope = RopeTable.from_config(tiny_llama_config(head_dim=D, num_attention_heads=4, num_key_value_heads=H))
     cos, sin = rope.cos_sin(positions, torch.float32)
-    k, v = reconstruct_selected(store.codes, store.ref_idx, store.refs, codec, sel, cos, sin, bits=bits,
+    k, v = reconstruct_selected(store.codes, store.indices, store.refs, codec, sel, cos, sin, bits=bits,
                                 group=32, num_kv_heads=H, impl="triton")
     want = full[torch.arange(2, device=DEV)[:, None], positions]
     want_k = apply_rope(want[..., : H * D].reshape(2, 4, H, D).transpose(1, 2), cos, sin)
@@ -419,7 +435,7 @@ def test_cache_on_kernels_matches_cache_on_torch(mode, layer_d_c):
             assert _same_bytes(sx.refs, sy.refs)
             # the same k references per token, but for near-ties: the kernel sums distances in another
             # order (and lists equal distances in index order)
-            same = (sx.ref_idx.sort(-1).values == sy.ref_idx.sort(-1).values).all(-1)
+            same = (sx.indices.unpack().sort(-1).values == sy.indices.unpack().sort(-1).values).all(-1)
             assert same.float().mean() > 0.95, same
             # the mean of the k references is summed in another order: a code may land one step away
             diff = [(p.view(torch.uint8) != q.view(torch.uint8)).float().mean().item() for p, q in zip(sx.codes, sy.codes)]

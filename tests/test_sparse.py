@@ -158,7 +158,7 @@ def test_read_selected_equals_read_and_reads_only_what_it_needs():
                 need.add((b, int((ref_ords == o).nonzero())))
             else:
                 c = o - int((ref_ords < o).sum())
-                need |= {(b, int(r)) for r in store.ref_idx[b, c].tolist() if r >= 0}
+                need |= {(b, int(r)) for r in store.indices.unpack()[b, c].tolist() if r >= 0}
     assert store.refs_decoded - before[1] == len(need) < store.n_refs * 2
 
 
@@ -339,7 +339,7 @@ def test_same_start_rows_share_a_group_and_select_independently(model, codec):
 
 def _check_no_evicted_reference(store: ResidualStore):
     R = store.n_refs
-    idx = store.ref_idx.long()
+    idx = store.indices.unpack()
     assert bool(((idx >= -1) & (idx < R)).all())
     # each code points only at kept references that come before it (causal retrieval survives the remap)
     ref_ord = store.ref_ord.long()
