@@ -76,11 +76,11 @@ def context_ids(tokenizer, n_tokens: int, batch: int = 1) -> torch.Tensor:
 
 def method_name(name: str) -> str:
     """argparse type: a registered method or one of its suffixed variants (residualkv-r08, -w64...)."""
-    from .evaluation.harness import known_method
+    from .evaluation.harness import VARIANTS_HELP, known_method
 
     if not known_method(name):
-        raise argparse.ArgumentTypeError(f"unknown method {name!r}; known: {', '.join(METHODS)}, and their variants "
-                                         "-rNN / -wNN (see `rkv eval --help`)")
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}; known: {', '.join(METHODS)}, and variants: "
+                                         f"{VARIANTS_HELP}")
     return name
 
 

@@ -648,6 +648,32 @@ def test_group_size_variants(tiny_lm):
         build_method_cache("residualkv-standalone-g48", tiny_lm, codec)
 
 
+def test_stride_variants(tiny_lm):
+    """-sNN serves a ResidualKV method with a reference every NN tokens instead of the codec's stride: more
+    references, fewer codes, every byte explained; after the other suffixes only, ResidualKV methods only."""
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ResidualKVConfig
+    from residualkv.evaluation.harness import known_method
+
+    for name in ("residualkv-standalone-s4", "residualkv-r08-w32-g16-s5", "residualkv-snapkv-s6"):
+        assert known_method(name), name
+    for name in ("kivi2-s4", "omnikv-s4", "residualkv-s4-w32", "residualkv-standalone-s"):
+        assert not known_method(name), name
+    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,), stride=10), d_c=64,
+                                    d_ff=16)
+    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
+    reps = {}
+    for name in ("residualkv-standalone", "residualkv-standalone-s5"):
+        cache = build_method_cache(name, tiny_lm, codec)
+        with torch.no_grad():
+            tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
+        assert cache.rows.schedule.stride == (5 if name.endswith("-s5") else 10)
+        reps[name] = measure(cache)
+        assert abs(reps[name]["unexplained"]) < 1e-9
+    base, dense = reps["residualkv-standalone"]["bytes"], reps["residualkv-standalone-s5"]["bytes"]
+    assert dense["references"] > base["references"] and dense["latent_codes"] < base["latent_codes"]
+
+
 # ---------------------------------------------------------------------------------------------
 # the gold answer's NLL, teacher-forced through each cache
 

@@ -39,15 +39,14 @@ def _int_list(text: str | None) -> list[int] | None:
 
 
 def register(subparsers) -> None:
+    from .harness import VARIANTS_HELP
+
     e = subparsers.add_parser("eval", help="benchmark cache methods side by side (quality vs measured bytes)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("--backbone", default="smollm2-135m", help="registered name, backbone YAML, local folder or HF id")
     e.add_argument("--methods", default=None,
                    help="comma list of methods (default: every registered method and snapkv); 'full' is always run "
-                        "as the reference; snapkv-NN keeps NN%% of the prompt; residualkv-rNN / omnikv-rNN select "
-                        "NN%% of the history per decode step; residualkv-snapkv-rNN keeps NN%% of the prompt "
-                        "on the compressed layers; a -wNN suffix on a residualkv method (residualkv-standalone-w64, "
-                        "residualkv-r08-w64) holds the newest NN tokens of its compressed layers in FP16")
+                        "as the reference; " + VARIANTS_HELP.replace("%", "%%"))
     e.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--tasks", default=None, metavar="FILE.jsonl",
@@ -171,7 +170,7 @@ def cmd_eval(args) -> int:
 
     from ..backbones import load_backbone
     from ..cli import base_config, latest_codec_path, resolve_codec
-    from .harness import evaluate, known_method, method_needs_codec
+    from .harness import VARIANTS_HELP, evaluate, known_method, method_needs_codec
     from .report import markdown_table
     from .samples import load_jsonl
 
@@ -181,10 +180,7 @@ def cmd_eval(args) -> int:
             try:
                 method_needs_codec(m)
             except ValueError as err:
-                raise SystemExit(f"{err}, snapkv, snapkv-NN (keep NN% of the prompt), residualkv-rNN / omnikv-rNN "
-                                 "(select NN% of the history per decode step), residualkv-snapkv-rNN (keep NN% of the "
-                                 "prompt on the compressed layers), and a -wNN suffix on residualkv methods (the newest "
-                                 "NN tokens held in FP16)") from None
+                raise SystemExit(f"{err}, snapkv, and variants: {VARIANTS_HELP}") from None
     lengths = _int_list(args.context_len)
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"

@@ -52,10 +52,19 @@ from .stats import mean_difference, rel_score_interval
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix: -rNN selects NN% of the history per decode step
 # (residualkv-r15, omnikv-r15; residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers, the
-# SnapKV baseline's ratio); -wNN holds the newest NN tokens of the compressed layers in FP16 and -gNN
+# SnapKV baseline's ratio); -wNN holds the newest NN tokens of the compressed layers in FP16, -gNN
 # quantises the latents in groups of NN coordinates (one FP16 min and scale each) instead of the codec's
-# own group size (ResidualKV methods only, in this order: residualkv-standalone-w64, residualkv-r08-w64-g80)
-_VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?$")
+# own group size, and -sNN places a reference every NN tokens instead of the codec's own stride (ResidualKV
+# methods only, in this order: residualkv-standalone-w64, residualkv-r08-w64-g80, residualkv-standalone-s10)
+_VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?"
+                      r"(?:-s(?P<stride>\d+))?$")
+_CODEC_SUFFIXES = {"window": "recent_window", "group": "group_size", "stride": "stride"}
+# what the CLIs print about the names above (argparse help: escape the % signs)
+VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN select NN% of the history per "
+                 "decode step; residualkv-snapkv-rNN keeps NN% of the prompt on the compressed layers; on a "
+                 "residualkv method, then, -wNN holds the newest NN tokens of its compressed layers in FP16, -gNN "
+                 "quantises its latents in groups of NN, -sNN places a reference every NN tokens "
+                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10)")
 _RATIO_BASES = ("residualkv", "omnikv", "residualkv-snapkv")
 
 
@@ -69,22 +78,20 @@ def _snapkv_ratio(name: str) -> float | None:
 def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
     """A suffixed variant -> (registered method, config changes); None when `name` is not one."""
     m = _VARIANT.match(name)
-    if not m or (m["ratio"] is None and m["window"] is None and m["group"] is None):
+    if not m or all(m[g] is None for g in ("ratio", *_CODEC_SUFFIXES)):
         return None
     base, changes = m["base"], {}
     if m["ratio"] is not None:
         if base not in _RATIO_BASES or not 0 < int(m["ratio"]) <= 100:
             return None
         changes["select_ratio"] = int(m["ratio"]) / 100
-    if m["window"] is not None or m["group"] is not None:
+    codec_changes = {field: int(m[g]) for g, field in _CODEC_SUFFIXES.items() if m[g] is not None}
+    if codec_changes:
         from ..methods import METHODS
 
         if base not in METHODS or not METHODS[base].needs_codec:  # the codec methods are the ResidualKV ones
             return None
-        if m["window"] is not None:
-            changes["recent_window"] = int(m["window"])
-        if m["group"] is not None:
-            changes["group_size"] = int(m["group"])
+        changes.update(codec_changes)
     return base, changes
 
 
@@ -113,7 +120,8 @@ def build_method_cache(name: str, model, codec=None, base=None):
     `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio);
     `residualkv-snapkv-rNN` keeps NN% of the prompt on the compressed layers; a `-wNN` suffix on a
     ResidualKV method holds the newest NN tokens of its compressed layers in FP16 (recent_window), a
-    `-gNN` suffix quantises its latents in groups of NN (group_size)."""
+    `-gNN` suffix quantises its latents in groups of NN (group_size), a `-sNN` suffix places a reference
+    every NN tokens (stride)."""
     from ..methods import METHODS, build_cache
 
     variant = _variant(name)
