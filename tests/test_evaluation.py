@@ -600,6 +600,15 @@ def test_user_facts_writes_a_user_jsonl_that_fits_and_holds_its_answers(tmp_path
     assert [s.context for s in load_jsonl(out)] == [s.context for s in samples]
 
 
+def _generated(model, codec, name: str):
+    """A cache of method `name` after a 90-token prompt and 4 greedy tokens."""
+    cache = build_method_cache(name, model, codec)
+    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
+    return cache
+
+
 def test_recent_window_variants(tiny_lm):
     from residualkv.codec import ResidualCodec
     from residualkv.config import ResidualKVConfig
@@ -612,11 +621,8 @@ def test_recent_window_variants(tiny_lm):
     codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=16)
     cache = build_method_cache("residualkv-r08-w32", tiny_lm, codec)
     assert (cache.config.recent_window, cache.config.select_ratio, cache.config.mode) == (32, 0.08, "omnikv")
-    cache = build_method_cache("residualkv-standalone-w64", tiny_lm, codec)
+    cache = _generated(tiny_lm, codec, "residualkv-standalone-w64")
     assert (cache.config.recent_window, cache.config.mode) == (64, "standalone")
-    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
     rep = measure(cache)
     assert rep["bytes"]["recent_window_fp16"] > 0 and rep["gap"]["recent_window_fp16"] > 0
 
@@ -633,13 +639,7 @@ def test_group_size_variants(tiny_lm):
     for name in ("kivi2-g64", "omnikv-g64", "residualkv-g64-w32", "full-g8"):
         assert not known_method(name), name
     codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=64, d_ff=16)
-    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
-    reps = {}
-    for name in ("residualkv-standalone", "residualkv-standalone-g64"):
-        cache = build_method_cache(name, tiny_lm, codec)
-        with torch.no_grad():
-            tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
-        reps[name] = measure(cache)
+    reps = {name: measure(_generated(tiny_lm, codec, name)) for name in ("residualkv-standalone", "residualkv-standalone-g64")}
     base, wide = reps["residualkv-standalone"]["bytes"], reps["residualkv-standalone-g64"]["bytes"]
     assert wide["latent_codes"] == base["latent_codes"]
     assert wide["latent_mins_scales"] * 2 == base["latent_mins_scales"]  # one FP16 pair per 64 values, not per 32
@@ -661,12 +661,9 @@ def test_stride_variants(tiny_lm):
         assert not known_method(name), name
     codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,), stride=10), d_c=64,
                                     d_ff=16)
-    ids = torch.randint(1, 100, (1, 90), generator=torch.Generator().manual_seed(0))
     reps = {}
     for name in ("residualkv-standalone", "residualkv-standalone-s5"):
-        cache = build_method_cache(name, tiny_lm, codec)
-        with torch.no_grad():
-            tiny_lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache=cache)
+        cache = _generated(tiny_lm, codec, name)
         assert cache.rows.schedule.stride == (5 if name.endswith("-s5") else 10)
         reps[name] = measure(cache)
         assert abs(reps[name]["unexplained"]) < 1e-9
