@@ -40,7 +40,7 @@ from residualkv import accounting  # noqa: E402
 from residualkv.attention import install  # noqa: E402
 from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.cache import ResidualKVCache  # noqa: E402
-from residualkv.cli import base_config, context_ids, latest_codec_path  # noqa: E402
+from residualkv.cli import base_config, context_ids, latest_codec_path, untrained_codec  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
 from trees import describe  # noqa: E402
 
@@ -52,9 +52,9 @@ def get_codec(model, spec, cfg, path=None):
     path = path or latest_codec_path(spec.name)
     if path is not None:
         return ResidualCodec.load(path, model_config=model.config), f"trained ({path})"
-    codec = ResidualCodec.for_model(model.config, cfg, d_c=spec.codec["d_c"], d_ff=spec.codec["d_ff"], backbone=spec.name)
-    return codec, (f"untrained, backbone dims d_c={spec.codec['d_c']} d_ff={spec.codec['d_ff']} "
-                   "(no trained codec found; decode speed does not depend on the weights)")
+    return untrained_codec(model, spec, cfg), (f"untrained, backbone dims d_c={spec.codec['d_c']} "
+                                               f"d_ff={spec.codec['d_ff']} (no trained codec found; decode speed "
+                                               "does not depend on the weights)")
 
 
 @torch.no_grad()
