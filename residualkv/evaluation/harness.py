@@ -50,12 +50,8 @@ from .scoring import score as score_prediction
 from .stats import mean_difference, rel_score_interval
 
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
-# Variants of registered methods, by suffix: -rNN selects NN% of the history per decode step
-# (residualkv-r15, omnikv-r15; residualkv-snapkv-r20 keeps 20% of the prompt on the compressed layers, the
-# SnapKV baseline's ratio); -wNN holds the newest NN tokens of the compressed layers in FP16, -gNN
-# quantises the latents in groups of NN coordinates (one FP16 min and scale each) instead of the codec's
-# own group size, and -sNN places a reference every NN tokens instead of the codec's own stride (ResidualKV
-# methods only, in this order: residualkv-standalone-w64, residualkv-r08-w64-g80, residualkv-standalone-s10)
+# Variants of registered methods, by suffix, as VARIANTS_HELP tells the CLIs' users: -rNN (select_ratio), then on
+# ResidualKV methods only -wNN, -gNN, -sNN (the _CODEC_SUFFIXES' config fields), in this order
 _VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?"
                       r"(?:-s(?P<stride>\d+))?$")
 _CODEC_SUFFIXES = {"window": "recent_window", "group": "group_size", "stride": "stride"}
@@ -116,12 +112,8 @@ def method_needs_codec(name: str) -> bool:
 
 
 def build_method_cache(name: str, model, codec=None, base=None):
-    """A fresh cache for one run. `snapkv` keeps 20% of the prompt, `snapkv-NN` keeps NN%;
-    `residualkv-rNN` / `omnikv-rNN` select NN% of the history at each decode step (select_ratio);
-    `residualkv-snapkv-rNN` keeps NN% of the prompt on the compressed layers; a `-wNN` suffix on a
-    ResidualKV method holds the newest NN tokens of its compressed layers in FP16 (recent_window), a
-    `-gNN` suffix quantises its latents in groups of NN (group_size), a `-sNN` suffix places a reference
-    every NN tokens (stride)."""
+    """A fresh cache for one run of a registered method or a variant (VARIANTS_HELP); `snapkv` keeps 20% of
+    the prompt."""
     from ..methods import METHODS, build_cache
 
     variant = _variant(name)
