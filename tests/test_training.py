@@ -18,8 +18,8 @@ from residualkv.cache import ResidualKVCache
 from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
-from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, enable_mlp_checkpointing,
-                                         freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, served_split,
+from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, cpu_has_native_bf16,
+                                         enable_mlp_checkpointing, freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, served_split,
                                          train_codec, trained_reading)
 
 from .conftest import tiny_llama_config
@@ -253,6 +253,16 @@ def test_grad_accumulation_and_bf16_autocast(tmp_path, packed):
     assert result.steps == 3 and result.tokens == 3 * 2 * SEQ  # each optimizer step saw two blocks
     assert result.metrics["eval/ppl_ratio"] > 0
     assert next(ResidualCodec.load(result.codec_path).parameters()).dtype == torch.float32  # weights stay fp32
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, native", [(True, False, True), (False, True, True), (False, False, False)])
+def test_bf16_warning_reads_the_cpus_bf16_units(monkeypatch, capsys, tmp_path, packed, amx, avx512_bf16, native):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    assert cpu_has_native_bf16() is native
+    model = tiny_model()
+    train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=1, bf16=True), progress=False)
+    assert ("emulates bf16" in capsys.readouterr().out) is not native
 
 
 def test_time_budget_plans_the_schedule_and_stops_cleanly(tmp_path, packed):

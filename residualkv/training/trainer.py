@@ -240,6 +240,14 @@ class CodecObjective(nn.Module):
         return total / (B * T * len(self.codec.layer_ids) * self.codec.dims.d_kv)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16), where bf16 autocast pays
+    (BENCHMARKS.md, "bf16 autocast": 6.9x the fp32 matmul rate with AMX). torch exposes the checks
+    privately; a torch without them answers False."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(bool(check()) for check in checks if check is not None)
+
+
 def freeze_backbone(model: nn.Module) -> None:
     """No parameter of the backbone trains, and eval mode turns off dropout (gradients still flow through it)."""
     for p in model.parameters():
@@ -375,6 +383,9 @@ class CodecTrainer:
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.grad_accum,
                                                                     sync_with_dataloader=False))
         torch.manual_seed(config.seed)
+        if config.bf16 and self.accelerator.device.type == "cpu" and not cpu_has_native_bf16():
+            self._say("warning: --bf16 on a CPU without AMX or AVX512-BF16 emulates bf16 matmuls and runs slower "
+                      "than fp32; drop --bf16 here")
         freeze_backbone(model)
         if config.grad_checkpointing:
             enable_mlp_checkpointing(model)
