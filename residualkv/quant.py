@@ -132,6 +132,11 @@ def index_bits(n_refs: int) -> int:
     return max(1, int(n_refs).bit_length())
 
 
+def index_row_bytes(k: int, bits: int) -> int:
+    """Bytes of one code's k indices of `bits` bits: a row never shares a byte with the next."""
+    return (k * bits + 7) // 8
+
+
 def index_span(bits: int) -> int:
     """Bytes one index can touch: it may start at bit 7 of a byte."""
     return (7 + bits + 7) // 8
@@ -156,7 +161,7 @@ def pack_indices(idx: torch.Tensor, bits: int, check: bool = True) -> PackedIndi
     v = idx.long() + 1
     if check and v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << bits):
         raise ValueError(f"reference indices must lie in [-1, {(1 << bits) - 1}) to be stored in {bits} bits")
-    nb = (k * bits + 7) // 8
+    nb = index_row_bytes(k, bits)
     if _one_word(k, bits):  # the row's bits as one little-endian int64 (no overlap: the sum is the or)
         word = (v << (torch.arange(k, device=idx.device) * bits)).sum(-1, keepdim=True)
         return PackedIndices(word.view(torch.uint8)[..., :nb].contiguous(), bits, k)
@@ -172,7 +177,7 @@ def pack_indices(idx: torch.Tensor, bits: int, check: bool = True) -> PackedIndi
 def unpack_indices(data: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """uint8 [..., nb] (see `PackedIndices`) -> long [..., k], −1 = unused."""
     nb = data.shape[-1]
-    if nb != (k * bits + 7) // 8:
+    if nb != index_row_bytes(k, bits):
         raise ValueError(f"{nb} bytes per code do not hold {k} indices of {bits} bits")
     if _one_word(k, bits):  # ~6x faster on CPU than the byte gathers below (an 8K read unpacks 30K indices)
         word = data.new_zeros(*data.shape[:-1], 8)
