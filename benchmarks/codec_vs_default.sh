@@ -8,7 +8,7 @@
 #
 #   benchmarks/codec_vs_default.sh CODEC_DIR NAME [OUT_DIR]
 #
-# Two one-thread lanes side by side on the 2 cores, about 13 minutes. Writes OUT_DIR (default
+# Two one-thread lanes side by side on the 2 cores, about 11 minutes. Writes OUT_DIR (default
 # benchmarks/results/codecs/NAME)/NAME_{2k_seed0,2k_seed1_a,2k_seed1_b,4k_seed1}.* and NAME_{2k,4k}_pooled.*
 set -euo pipefail
 CODEC=${1:?usage: benchmarks/codec_vs_default.sh CODEC_DIR NAME [OUT_DIR]}
