@@ -385,7 +385,7 @@ class CodecTrainer:
         torch.manual_seed(config.seed)
         if config.bf16 and self.accelerator.device.type == "cpu" and not cpu_has_native_bf16():
             self._say("warning: --bf16 on a CPU without AMX or AVX512-BF16 emulates bf16 matmuls and runs slower "
-                      "than fp32; drop --bf16 here")
+                      "than fp32 (about 100x on an AMD EPYC Milan, BENCHMARKS.md); drop --bf16 here")
         freeze_backbone(model)
         if config.grad_checkpointing:
             enable_mlp_checkpointing(model)
