@@ -4,6 +4,9 @@ One ResidualKV layer of SmolLM2-135M's shape (the default codec's dims, untraine
 does the same work whatever the weights) is filled with N random tokens through the cache, then S
 single-token writes follow, as decode steps make them (top-k search over the stored references, the
 mean of the chosen ones, encode, quantise and pack, append). Reported: the median write time.
+`--part step` times the layer's whole decode step instead: the cache's update (that write, then the
+read of every stored token, values latent where the tree has LatentValues) and residualkv's attention
+function over what it returns, for one query token.
 
 With several `--tree`s (checkouts of the library, e.g. a `git worktree` of the commit before a change)
 each tree runs in its own process, the trees alternating `--runs` times, so that load on the machine
@@ -29,7 +32,7 @@ from pathlib import Path
 from trees import HERE, check_tree, describe, use_tree
 
 
-def measure(tree: str, context: int, steps: int, layer: int) -> dict:
+def measure(tree: str, context: int, steps: int, layer: int, part: str = "write") -> dict:
     root = use_tree(tree)
     import torch
 
@@ -55,12 +58,26 @@ def measure(tree: str, context: int, steps: int, layer: int) -> dict:
                          position_ids=torch.arange(s, min(context, s + 1024))[None])
         store = cache.layers[layer].stores[0]
         times = []
-        for _ in range(steps):
-            kv = torch.randn(1, 1, 2 * H * D, generator=g)
-            t0 = time.perf_counter()
-            store.write(kv)
+        if part == "step":
+            from residualkv.attention import sparse_attention_forward
+
+            attn = model.model.layers[layer].self_attn
+            Hq = model.config.num_attention_heads
+        for i in range(steps):
+            if part == "write":
+                kv = torch.randn(1, 1, 2 * H * D, generator=g)
+                t0 = time.perf_counter()
+                store.write(kv)
+            else:
+                k1, v1 = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+                q = torch.randn(1, Hq, 1, D, generator=g)
+                t0 = time.perf_counter()
+                k_all, v_all = cache.update(k1, v1, layer, position_ids=torch.tensor([[context + i]]))
+                sparse_attention_forward(attn, q, k_all, v_all, None, scaling=attn.scaling)
             times.append(time.perf_counter() - t0)
-    return {"tree": str(root), "commit": describe(root), "context": context, "steps": steps,
+    latent = getattr(cache, "latent", None)  # the steps whose values were read latent (LatentValues)
+    return {"tree": str(root), "commit": describe(root), "context": context, "steps": steps, "part": part,
+            "latent_steps": latent.steps if latent is not None else 0,
             "median_write_ms": statistics.median(times) * 1e3, "p10_write_ms": sorted(times)[len(times) // 10] * 1e3}
 
 
@@ -71,33 +88,35 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192, help="tokens stored before the timed writes")
     p.add_argument("--steps", type=int, default=400, help="timed single-token writes")
     p.add_argument("--layer", type=int, default=3, help="a compressed layer of the backbone")
+    p.add_argument("--part", choices=("write", "step"), default="write",
+                   help="write: the store's write alone; step: the layer's update (write + read) and its attention")
     p.add_argument("--runs", type=int, default=1, help="processes per tree, alternating between the trees")
     p.add_argument("--out", type=Path, default=HERE / "benchmarks" / "results" / "write_cost_cpu.json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one tree in this process, print JSON
     args = p.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.context, args.steps, args.layer)))
+        print(json.dumps(measure(args.one, args.context, args.steps, args.layer, args.part)))
         return
     trees = [str(Path(t).resolve()) for t in (args.tree or [str(HERE)])]
     runs = []
     for r in range(args.runs):
         for t in trees:
             cmd = [sys.executable, __file__, "--one", t, "--context", str(args.context), "--steps", str(args.steps),
-                   "--layer", str(args.layer)]
+                   "--layer", str(args.layer), "--part", args.part]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True)
             res = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"run {r + 1}/{args.runs} {t} ({res['commit']}): median {res['median_write_ms']:.3f} ms per write",
+            print(f"run {r + 1}/{args.runs} {t} ({res['commit']}): median {res['median_write_ms']:.3f} ms per {args.part}",
                   flush=True)
             runs.append(res)
     summary = {f"{t} ({next(x['commit'] for x in runs if x['tree'] == t)})":
                statistics.median(x["median_write_ms"] for x in runs if x["tree"] == t) for t in trees}
     payload = {"benchmark": "write_cost_cpu", "backbone": "smollm2-135m", "threads": 1, "machine": platform.machine(),
-               "context": args.context, "steps": args.steps, "layer": args.layer, "runs": runs,
+               "part": args.part, "context": args.context, "steps": args.steps, "layer": args.layer, "runs": runs,
                "median_write_ms_by_tree": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
     for t, ms in summary.items():
-        print(f"{t}: {ms:.3f} ms per write (median over runs)")
+        print(f"{t}: {ms:.3f} ms per {args.part} (median over runs)")
     print(f"wrote {args.out}")
 
 

@@ -53,7 +53,7 @@ from kernels.kivi_attention import kivi_decode_attention
 from kernels._common import use_triton
 
 from .cache import KiviLayer, ResidualLayer, RowLayout
-from .stores import RowStores
+from .stores import Latents, RowStores
 
 ATTN_IMPLEMENTATION = "residualkv_sparse"
 
@@ -68,9 +68,9 @@ class _Handoff:
     consumed: bool = False
     layer: KiviLayer | None = None  # "kivi": the full-attention layer whose packed stores the kernel reads
     rows: RowLayout | None = None  # "kivi": its row groups (one store per group)
-    # "latent", or a "sparse" read whose values came back latent: (Z [B, 1, L, d_c], W_v [Hkv·D, d_c]),
+    # "latent", or a "sparse" read whose values came back latent: (Latents over the L columns, W_v [Hkv·D, d_c]),
     # the attention adds (P Z) W_v^T to P V (LatentValues)
-    latent: tuple[torch.Tensor, torch.Tensor] | None = None
+    latent: "tuple[Latents, torch.Tensor] | None" = None
 
 
 _HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
@@ -356,9 +356,10 @@ class LatentValues:
     The decoder is linear, so for a query head attending with weights p_i over tokens i whose values are
     codes (v_i = W_v z_i + m_i, m_i the mean of their references) or whole (references, window and new
     tokens: v_i as stored, z_i = 0):  o = sum_i p_i v_i = sum_i p_i m_i' + W_v (sum_i p_i z_i).  The cache
-    returns V with m_i in the codes' columns and the latents Z (ResidualStore.read with `latent`); the
-    attention adds (P Z) W_v^T. The W_v product over every token read (half the decoder's GEMM) becomes
-    one d_c x D product per query head; keys are decoded as before (RoPE sits between them and q)."""
+    returns V with m_i in the codes' columns and the codes' latents Z with their columns (`Latents`,
+    ResidualStore.read with `latent`); the attention adds (P[:, cols] Z) W_v^T. The W_v product over every
+    token read (half the decoder's GEMM) becomes one d_c x D product per query head; keys are decoded as
+    before (RoPE sits between them and q)."""
 
     def __init__(self, cache):
         self.cache = cache
@@ -368,7 +369,7 @@ class LatentValues:
     def check(self) -> None:
         _check_handed_off(self, "the values' decoder term would be missing from the attention output")
 
-    def hand(self, layer_idx: int, key: torch.Tensor, z: torch.Tensor, sparse: "SparseController | None") -> None:
+    def hand(self, layer_idx: int, key: torch.Tensor, z: Latents, sparse: "SparseController | None") -> None:
         """Give the attention of layer `layer_idx` the latents `z` of the K/V just returned: on the sparse
         path's own hand-off when there is one for this K, else on a "latent" one."""
         latent = (z, self.cache.layers[layer_idx].codec.value_decoder())
@@ -381,10 +382,12 @@ class LatentValues:
 
 
 def latent_value_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                           z: torch.Tensor, w_v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """softmax(q K^T·scaling + mask) (V + Z W_v^T) for one query position, computed as P V + (P Z) W_v^T.
+                           z: Latents, w_v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """softmax(q K^T·scaling + mask) (V + Z W_v^T) for one query position, computed as
+    P V + (P[:, cols] Z) W_v^T over the codes' columns only (Z is zero in the others).
     query [B, Hq, 1, D], key/value [B, Hkv, L, D], mask [B, 1|Hq, 1, L] (bool: True = attend, or additive),
-    z [B, 1, L, d_c], w_v [Hkv·D, d_c] -> [B, 1, Hq, D] (the layout transformers' attention functions return)."""
+    z: Latents (cols [B, C] of the L, z [B, C, d_c]), w_v [Hkv·D, d_c] -> [B, 1, Hq, D] (the layout
+    transformers' attention functions return)."""
     B, Hq, T, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     if T != 1:
@@ -398,7 +401,8 @@ def latent_value_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
     p = torch.softmax(logits, dim=-1)
     out = p @ value.float()  # [B, Hkv, G, D]
-    pz = (p.reshape(B, 1, Hq, L) @ z.float()).reshape(B, Hkv, G, -1)  # [B, Hkv, G, d_c]
+    p_codes = p.reshape(B, Hq, L).gather(-1, z.cols[:, None].expand(B, Hq, -1))  # [B, Hq, C]
+    pz = (p_codes @ z.z.float()).reshape(B, Hkv, G, -1)  # [B, Hkv, G, d_c]
     out = out + pz @ w_v.float().reshape(Hkv, D, -1).transpose(-1, -2)
     return out.reshape(B, Hq, 1, D).transpose(1, 2).to(query.dtype)
 

@@ -29,7 +29,7 @@ from .config import ConfigError, ResidualKVConfig, check_group_size
 from .growing import Growing, grown
 from .rope import RopeTable, apply_rope, invert_rope
 from .schedule import ReferenceSchedule
-from .stores import DenseStore, KiviStore, ResidualStore, flat_heads, kernel_reads, nbytes_of, sum_bytes, unflat_heads
+from .stores import DenseStore, KiviStore, Latents, ResidualStore, flat_heads, kernel_reads, nbytes_of, sum_bytes, unflat_heads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class _GroupedLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, rows: RowLayout, *args, latent: bool = False, **kwargs):
         """Store the step's tokens, read the history: K, V [B, H, slots, D]; with `latent` and where
-        `reads_latent` allows, also Z [B, 1, slots, d_c] (values without the decoder's term)."""
+        `reads_latent` allows, also the codes' Latents (their values without the decoder's term)."""
         self.is_initialized = True
         B, H, T, D = key_states.shape
         s0, s1 = self.n_slots, self.n_slots + T
@@ -231,13 +231,19 @@ class _GroupedLayer(CacheLayerMixin):
 
 
 def _batch(parts: list[tuple[torch.Tensor, tuple]], B: int, L: int, right_aligned: bool) -> tuple:
-    """Row groups' reads (batch rows, tensors [rows, X, l, F]) -> tensors [B, X, L, F], each group's l
-    columns at the end (`right_aligned`: slot order, padding first) or at the start; zeros elsewhere."""
-    out = [t.new_zeros(B, t.shape[1], L, t.shape[-1]) for t in parts[0][1]]
-    for rows, ts in parts:
-        for o, t in zip(out, ts):
-            cols = slice(L - t.shape[2], L) if right_aligned else slice(0, t.shape[2])
-            o[rows, :, cols] = t
+    """Row groups' reads (batch rows, tensors [rows, X, l, F], and Latents) -> tensors [B, X, L, F],
+    each group's l columns at the end (`right_aligned`: slot order, padding first) or at the start;
+    zeros elsewhere."""
+    out = []
+    for i, first in enumerate(parts[0][1]):
+        offset = [L - ts[0].shape[2] if right_aligned else 0 for _, ts in parts]
+        if isinstance(first, Latents):
+            out.append(Latents.place([(rows, ts[i], off) for (rows, ts), off in zip(parts, offset)], B))
+            continue
+        o = first.new_zeros(B, first.shape[1], L, first.shape[-1])
+        for (rows, ts), off in zip(parts, offset):
+            o[rows, :, off : off + ts[i].shape[2]] = ts[i]
+        out.append(o)
     return tuple(out)
 
 
@@ -284,10 +290,9 @@ class ResidualLayer(_GroupedLayer):
             k_hat, v_hat = torch.cat([history[0], k_hat], dim=2), torch.cat([history[1], v_hat], dim=2)
         if not latent:
             return k_hat.to(k.dtype), v_hat.to(v.dtype)
-        z = k.new_zeros(B, 1, T, self.codec.dims.d_c, dtype=torch.float32)  # the new tokens' values are whole
-        if history is not None:
-            z = torch.cat([history[2], z], dim=2)
-        return k_hat.to(k.dtype), v_hat.to(v.dtype), z
+        # the new tokens' values are whole and come after the history: its Latents' columns stand
+        lat = history[2] if history is not None else Latents.empty(B, self.codec.dims.d_c, k.device)
+        return k_hat.to(k.dtype), v_hat.to(v.dtype), lat
 
     def nbytes(self) -> dict[str, int]:
         return sum_bytes(s.nbytes() for s in self.stores)

@@ -12,6 +12,8 @@ real token); `residualkv.cache` maps the model's slots onto them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .codec import LayerCodec
@@ -53,14 +55,62 @@ def kernel_reads(cfg: ResidualKVConfig, like: torch.Tensor) -> bool:
     return use_triton(cfg.kernel_impl, like) and fused_group_ok(cfg.group_size)
 
 
-def _with_latent(kv, rope: Rope | None, rotated, latent: torch.Tensor | None):
-    """A read's return: flat kv, or K, V with `rope`; with `latent` [B, n, d_c] also Z [B, 1, n, d_c]."""
+class Latents(NamedTuple):
+    """The Z of a latent read (residualkv.attention.LatentValues), held compactly: the values in column
+    cols[b, j] of the K/V returned lack the decoder's term W_v z[b, j]; every other column's values are
+    whole. Only codes have entries, so a read never builds (and the attention never multiplies) zeros for
+    references, window and new tokens. Rows with fewer codes than others are padded with z = 0."""
+
+    cols: torch.Tensor  # [B, C] long: columns of the returned K/V
+    z: torch.Tensor  # [B, C, d_c] float32
+
+    @staticmethod
+    def empty(B: int, d_c: int, device) -> "Latents":
+        return Latents(torch.zeros(B, 0, dtype=torch.long, device=device), torch.zeros(B, 0, d_c, device=device))
+
+    @staticmethod
+    def place(parts: list[tuple], B: int) -> "Latents":
+        """(batch rows, Latents of those rows, column offset) for each part -> one Latents of B rows."""
+        C = max(lat.cols.shape[1] for _, lat, _ in parts)
+        first = parts[0][1]
+        cols = first.cols.new_zeros(B, C)
+        z = first.z.new_zeros(B, C, first.z.shape[-1])
+        for rows, lat, offset in parts:
+            c = lat.cols.shape[1]
+            cols[rows, :c] = lat.cols + offset
+            z[rows, :c] = lat.z
+        return Latents(cols, z)
+
+    def dense(self, n: int) -> torch.Tensor:
+        """Z as [B, 1, n, d_c] with zeros in the whole columns (the reading LatentValues' docs use)."""
+        B, C, d = self.z.shape
+        out = self.z.new_zeros(B, n, d)
+        return out.scatter_add_(1, self.cols[..., None].expand(B, C, d), self.z)[:, None]  # padding adds 0
+
+
+def _with_latent(kv, rope: Rope | None, rotated, latent: Latents | None):
+    """A read's return: flat kv, or K, V with `rope`; with `latent` also its Latents."""
     if rope is None:
         if latent is not None:
             raise ValueError("a latent read returns K, V and Z for attention: pass the tokens' RoPE")
         return kv
     k, v = _rotate_rest(kv, rope, rotated)
-    return (k, v) if latent is None else (k, v, latent[:, None])
+    return (k, v) if latent is None else (k, v, latent)
+
+
+def _selected_latents(is_code: torch.Tensor, z: torch.Tensor) -> Latents:
+    """Latents of a selection whose codes sit at is_code [B, S] (z [N, d_c] in row-major order of them)."""
+    B, S = is_code.shape
+    counts = is_code.sum(1)
+    cols = torch.arange(S, device=is_code.device).expand(B, S)[is_code]
+    C = int(counts.max())
+    if bool((counts == C).all()):  # every row selected as many codes (always with one row): no padding
+        return Latents(cols.view(B, C), z.view(B, C, -1))
+    rows = torch.arange(B, device=is_code.device)[:, None].expand(B, S)[is_code]
+    rank = (torch.cumsum(is_code, dim=1) - 1)[is_code]
+    out = Latents(cols.new_zeros(B, C), z.new_zeros(B, C, z.shape[-1]))
+    out.cols[rows, rank], out.z[rows, rank] = cols, z
+    return out
 
 
 def _row_rope(rope: Rope | None, i: int) -> Rope | None:
@@ -68,9 +118,10 @@ def _row_rope(rope: Rope | None, i: int) -> Rope | None:
 
 
 def _stack(parts: list):
-    """Per-row reads (flat tensors, or (K, V) pairs) -> one batch."""
+    """Per-row reads (flat tensors, or (K, V[, Latents]) tuples) -> one batch."""
     if isinstance(parts[0], tuple):
-        return tuple(torch.cat(p) for p in zip(*parts))
+        return tuple(Latents.place([(i, t, 0) for i, t in enumerate(p)], len(p)) if isinstance(p[0], Latents)
+                     else torch.cat(p) for p in zip(*parts))
     return torch.cat(parts)
 
 
@@ -267,10 +318,10 @@ class ResidualStore:
         K, V [B, H, n, D] attention reads, keys rotated (on the kernel, inside the fused reconstruction).
 
         `latent` (with `rope`): the codes' values come back without the decoder's term, V = the mean of
-        their references, and a third tensor Z [B, 1, n, d_c] holds their dequantised latents (zeros for
-        references and window tokens); the true values are V + Z W_v^T, which the attention applies after
-        the softmax (residualkv.attention.LatentValues). Where the fused kernel decodes the codes, it
-        decodes their values too and Z stays zero: still V + Z W_v^T, without the saving."""
+        their references, and a third item (`Latents`) holds their columns and dequantised latents Z; the
+        true values are V + Z W_v^T, which the attention applies after the softmax
+        (residualkv.attention.LatentValues). Where the fused kernel decodes the codes, it decodes their
+        values too and the Latents are empty: still V + Z W_v^T, without the saving."""
         cfg = self.cfg
         if self.ref_ord is not None:
             return self.read_selected(self.visible_ordinals(), rope, latent)
@@ -281,7 +332,7 @@ class ResidualStore:
         like = self._held()
         B, d, dev = like.shape[0], like.shape[-1], like.device
         out = torch.empty(B, self.n, d, device=dev)
-        zs = torch.zeros(B, self.n, self.codec.dims.d_c, device=dev) if latent else None
+        lat = Latents.empty(B, self.codec.dims.d_c, dev) if latent else None
         coded = torch.arange(self.n, device=dev) < self.n_coded
         is_ref = self.schedule.is_ref(0, self.n).to(dev) & coded
         is_code = ~is_ref & coded
@@ -303,10 +354,10 @@ class ResidualStore:
             else:
                 mean = mean_of_refs(refs, self.indices.unpack())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
-                out[:, is_code] = self._decode(z, mean, zs is not None)
-                if zs is not None:
-                    zs[:, is_code] = z
-        return _with_latent(out, rope, rotated, zs)
+                out[:, is_code] = self._decode(z, mean, latent)
+                if latent:
+                    lat = Latents(is_code.nonzero()[:, 0].expand(B, -1), z)
+        return _with_latent(out, rope, rotated, lat)
 
     def _decode(self, z: torch.Tensor, mean: torch.Tensor, latent: bool) -> torch.Tensor:
         """Codes' reconstruction from their latents and reference means (torch path); `latent`: the
@@ -385,10 +436,10 @@ class ResidualStore:
         B, S = ordinals.shape
         like = self._held()
         dev = ordinals.device if like is None else like.device
-        zs = torch.zeros(B, S, self.codec.dims.d_c, device=dev) if latent else None
+        lat = Latents.empty(B, self.codec.dims.d_c, dev) if latent else None
         if like is None or S == 0:
             out = torch.zeros(B, S, self.codec.dims.d_kv, device=dev)
-            return _with_latent(out, rope, None, zs)
+            return _with_latent(out, rope, None, lat)
         ordinals = ordinals.to(device=dev, dtype=torch.long)
         rows = torch.arange(B, device=dev)[:, None].expand(B, S)
         in_win = ordinals >= self.n_coded
@@ -442,11 +493,11 @@ class ResidualStore:
                 mean_idx[ok] = slot[rb.numel():]
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             z = dequantize(Packed(*(take_rows(t, cb, cp) for t in self.codes)), cfg.bits, cfg.group_size)
-            out[is_code] = self._decode(z, mean, zs is not None)
-            if zs is not None:
-                zs[is_code] = z
+            out[is_code] = self._decode(z, mean, latent)
+            if latent:
+                lat = _selected_latents(is_code, z)
             self.codes_decoded += int(cb.numel())
-        return _with_latent(out, rope, rotated, zs)
+        return _with_latent(out, rope, rotated, lat)
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""

@@ -9,7 +9,7 @@ from residualkv import accounting
 from residualkv.attention import (ATTN_IMPLEMENTATION, install, latent_value_attention, select_tokens,
                                   snapkv_aggregate, snapkv_token_scores, sparse_attention_forward)
 from residualkv.cache import OmniKVCache, ResidualKVCache, ResidualLayer
-from residualkv.stores import ResidualStore, RowStores
+from residualkv.stores import Latents, ResidualStore, RowStores
 from residualkv.codec import ResidualCodec
 from residualkv.config import ConfigError, ResidualKVConfig
 from residualkv.methods import build_cache
@@ -178,12 +178,14 @@ def test_latent_read_returns_the_values_less_their_decoder_term(window):
     g = torch.Generator().manual_seed(1)
     rope = (torch.randn(2, n, D, generator=g), torch.randn(2, n, D, generator=g), H)
     k, v = store.read(rope)
-    kl, vl, z = store.read(rope, latent=True)
-    assert z.shape == (2, 1, n, 32)
+    kl, vl, lat = store.read(rope, latent=True)
+    # only the codes have latents: references and window tokens are not carried at all
+    whole = store.schedule.is_ref(0, n) | (torch.arange(n) >= store.n_coded)
+    assert torch.equal(lat.cols, (~whole).nonzero()[:, 0].expand(2, -1)) and lat.z.shape == (2, int((~whole).sum()), 32)
+    z = lat.dense(n)
     torch.testing.assert_close(kl, k, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(_with_values_decoded(vl, z, store.codec.value_decoder()), v, rtol=1e-5, atol=1e-5)
     # references and window tokens have no latent: their values come back whole
-    whole = store.schedule.is_ref(0, n) | (torch.arange(n) >= store.n_coded)
     assert bool((z[:, :, whole] == 0).all()) and bool((z[:, :, ~whole] != 0).any())
     assert torch.equal(vl[:, :, whole], v[:, :, whole])
     # a selection reads the same columns
@@ -193,7 +195,11 @@ def test_latent_read_returns_the_values_less_their_decoder_term(window):
     cols = ords[:, None, :, None]
     torch.testing.assert_close(ks, kl.gather(2, cols.expand(-1, H, -1, D)), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(vs, vl.gather(2, cols.expand(-1, H, -1, D)))
-    assert torch.equal(zs, z.gather(2, cols.expand(-1, 1, -1, 32)))
+    assert torch.equal(zs.dense(ords.shape[1]), z.gather(2, cols.expand(-1, 1, -1, 32)))
+    # the two rows selected different numbers of codes: the shorter one is padded with zero latents
+    n_codes = (~whole)[ords].sum(1)
+    assert n_codes[0] != n_codes[1] and zs.cols.shape[1] == int(n_codes.max())
+    assert bool((zs.z[int(n_codes.argmin()), int(n_codes.min()):] == 0).all())
     with pytest.raises(ValueError, match="RoPE"):
         store.read(latent=True)
 
@@ -207,12 +213,16 @@ def test_latent_value_attention_equals_sdpa_over_the_decoded_values(model):
     padded[1, :, :, :4] = False
     additive = torch.zeros(2, 1, 1, 9).masked_fill(~padded, torch.finfo(torch.float32).min)
     attn = model.model.layers[0].self_attn
+    z[1, :, 4] = 0  # row 1 holds one code fewer: its Latents are padded
+    rows = [(z[b, 0, :, 0] != 0).nonzero()[:, 0] for b in range(2)]
+    lat = Latents.place([(b, Latents(c[None], z[b, 0, c][None]), 0) for b, c in enumerate(rows)], 2)
+    assert lat.cols.shape == (2, 6) and torch.equal(lat.dense(9), z)
     for mask in (None, padded, additive):
-        got = latent_value_attention(q, k, v, mask, z, w_v, 0.3)
+        got = latent_value_attention(q, k, v, mask, lat, w_v, 0.3)
         want, _ = sdpa_attention_forward(attn, q, k, _with_values_decoded(v, z, w_v), mask, scaling=0.3)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="one query position"):
-        latent_value_attention(q.expand(2, 4, 3, 16), k, v, None, z, w_v, 0.3)
+        latent_value_attention(q.expand(2, 4, 3, 16), k, v, None, lat, w_v, 0.3)
 
 
 def _one_step_both_ways(model, cache, token, mask):
