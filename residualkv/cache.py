@@ -234,9 +234,9 @@ def _batch(parts: list[tuple[torch.Tensor, tuple]], B: int, L: int, right_aligne
     """Row groups' reads (batch rows, tensors [rows, X, l, F], and Latents) -> tensors [B, X, L, F],
     each group's l columns at the end (`right_aligned`: slot order, padding first) or at the start;
     zeros elsewhere."""
+    offset = [L - ts[0].shape[2] if right_aligned else 0 for _, ts in parts]  # each group's first column
     out = []
     for i, first in enumerate(parts[0][1]):
-        offset = [L - ts[0].shape[2] if right_aligned else 0 for _, ts in parts]
         if isinstance(first, Latents):
             out.append(Latents.place([(rows, ts[i], off) for (rows, ts), off in zip(parts, offset)], B))
             continue
