@@ -98,16 +98,21 @@ def _with_latent(kv, rope: Rope | None, rotated, latent: Latents | None):
     return (k, v) if latent is None else (k, v, latent)
 
 
-def _selected_latents(is_code: torch.Tensor, z: torch.Tensor) -> Latents:
-    """Latents of a selection whose codes sit at is_code [B, S] (z [N, d_c] in row-major order of them)."""
+def _ragged(is_code: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A selection's codes laid out per row, in order: for each True of is_code [B, S] (row-major), its
+    place within its row [N], and the most codes any row holds (the padded width)."""
+    return (torch.cumsum(is_code, dim=1) - 1)[is_code], int(is_code.sum(1).max())
+
+
+def _selected_latents(is_code: torch.Tensor, rows: torch.Tensor, z: torch.Tensor) -> Latents:
+    """Latents of a selection whose codes sit at is_code [B, S] (rows [N] and z [N, d_c] in row-major
+    order of them)."""
     B, S = is_code.shape
-    counts = is_code.sum(1)
     cols = torch.arange(S, device=is_code.device).expand(B, S)[is_code]
-    C = int(counts.max())
-    if bool((counts == C).all()):  # every row selected as many codes (always with one row): no padding
-        return Latents(cols.view(B, C), z.view(B, C, -1))
-    rows = torch.arange(B, device=is_code.device)[:, None].expand(B, S)[is_code]
-    rank = (torch.cumsum(is_code, dim=1) - 1)[is_code]
+    counts = is_code.sum(1)
+    if bool((counts == counts[0]).all()):  # as many codes in every row (always with one row): no padding
+        return Latents(cols.view(B, -1), z.view(B, -1, z.shape[-1]))
+    rank, C = _ragged(is_code)
     out = Latents(cols.new_zeros(B, C), z.new_zeros(B, C, z.shape[-1]))
     out.cols[rows, rank], out.z[rows, rank] = cols, z
     return out
@@ -471,18 +476,18 @@ class ResidualStore:
             self.refs_decoded += int(table.shape[0])
             out[is_ref] = table[slot[: rb.numel()]]
         if cb.numel() and self._use_kernel():
-            # per row, its selected codes in order: rank of each within its row, padded with -1
-            rank = torch.cumsum(is_code, dim=1) - 1
-            sel = torch.full((B, int(is_code.sum(1).max())), -1, dtype=torch.long, device=dev)
-            sel[cb, rank[is_code]] = cp
+            # per row, its selected codes in order, padded with -1
+            rank, width = _ragged(is_code)
+            sel = torch.full((B, width), -1, dtype=torch.long, device=dev)
+            sel[cb, rank] = cp
             code_rope = None
             if rope is not None:  # cos/sin in the same ragged layout as sel (padding rows: zeros)
-                cos = rope[0].new_zeros(B, sel.shape[1], rope[0].shape[-1])
+                cos = rope[0].new_zeros(B, width, rope[0].shape[-1])
                 sin = torch.zeros_like(cos)
-                cos[cb, rank[is_code]], sin[cb, rank[is_code]] = rope[0][is_code], rope[1][is_code]
+                cos[cb, rank], sin[cb, rank] = rope[0][is_code], rope[1][is_code]
                 code_rope = (cos, sin, rope[2])
             kv, fused = self._reconstruct_kernel(sel, code_rope)
-            out[is_code] = kv[cb, rank[is_code]]
+            out[is_code] = kv[cb, rank]
             rotated = is_code if fused else None
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
@@ -495,7 +500,7 @@ class ResidualStore:
             z = dequantize(Packed(*(take_rows(t, cb, cp) for t in self.codes)), cfg.bits, cfg.group_size)
             out[is_code] = self._decode(z, mean, latent)
             if latent:
-                lat = _selected_latents(is_code, z)
+                lat = _selected_latents(is_code, cb, z)
             self.codes_decoded += int(cb.numel())
         return _with_latent(out, rope, rotated, lat)
 
