@@ -20,6 +20,7 @@ from typing import Any
 from transformers import DynamicCache
 
 from .cache import KiviLayer, OmniKVCache, ResidualKVCache, ResidualLayer
+from .lowram import LowRAMCache
 
 
 def q_bits(bits: int, group: int) -> float:
@@ -43,6 +44,8 @@ def report(cache) -> dict[str, Any]:
         return _report_dynamic(cache)
     if isinstance(cache, OmniKVCache):
         return _report_omnikv(cache)
+    if isinstance(cache, LowRAMCache):
+        return _report_lowram(cache)
     if not isinstance(cache, ResidualKVCache):
         raise TypeError(f"no accounting for {type(cache).__name__}")
     return _report_residual(cache)
@@ -119,6 +122,30 @@ def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
     return {"kr_measured": kv / fp16 if fp16 else 1.0, "kr_formula": 1.0, "bytes": comp, "total_bytes": sum(comp.values()),
             **_spare(cache, sum(comp.values()), fp16), "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
             **_sparse_report(cache)}
+
+
+def _report_lowram(cache: LowRAMCache) -> dict[str, Any]:
+    """LowRAM's target is its ratio: keys and values each get 1/ratio of their FP16 bytes. The gap is the
+    exact tail (tokens after the prompt, FP16 by design), the positions, and what the per-context solve
+    could not meet: rank and residual counts rounded down, or predictors alone over budget (short prompts)."""
+    comp = cache.nbytes()
+    total, fp16 = sum(comp.values()), cache.fp16_bytes()
+    kr = total / fp16 if fp16 else 0.0
+    target = 1 / cache.config.ratio
+    gap = {k: comp.get(k, 0) / fp16 for k in ("exact_tail_fp16", "positions", "prompt_pending_fp16")} if fp16 else {}
+    gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
+    stores = [s for layer in cache.layers for s in layer.stores if s.mask is not None]
+    per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in cache.layers]
+    return {"kr_measured": kr, "kr_formula": target, "cr": sum(per_layer) / len(per_layer), "cr_per_layer": per_layer,
+            "cr_scope": "decode steps; every stored token is rebuilt and attended",
+            "decode_steps": min((len(layer.decode_log) for layer in cache.layers), default=0),
+            "bytes": comp, "total_bytes": total, **_spare(cache, total, fp16), "fp16_bytes": fp16, "gap": gap,
+            "unexplained": 0.0,
+            "inputs": {"ratio": cache.config.ratio, "layer_group": cache.config.layer_group, "key_ranks": cache.key_ranks,
+                       "residual_fraction": sum(s.n_keep / s.n_prompt for s in stores) / len(stores) if stores else 0.0,
+                       "key_bits": cache.config.key_bits, "residual_bits": cache.config.residual_bits,
+                       "fit_steps": cache.config.fit_steps, "tokens": cache.rows.valid_tokens(),
+                       "layers": len(cache.layers)}}
 
 
 def _spare(cache, total: int, fp16: int) -> dict[str, Any]:

@@ -135,6 +135,50 @@ class ResidualKVConfig:
 
 
 @dataclass(frozen=True)
+class LowRAMConfig:
+    """LowRAM, the second method (seed 003): keys in a cross-layer low-rank basis (xKV), values amortised by
+    a predictor fitted to the context at prefill, plus residuals for the worst-predicted tokens. No training
+    run: everything is fitted per context. Tokens written after the prompt are kept exact in FP16 (the seed)."""
+
+    # target compression over the FP16 cache: the keys' factors and the values' predictor + residuals each
+    # get 1/ratio of their FP16 bytes; the key rank and the residual count are solved from it per context
+    ratio: float = 4.0
+    layer_group: int = 4  # G adjacent layers share one key basis (xKV)
+    fit_steps: int = 150  # Adam steps per layer (seed: 150-300; 2 from a meta-learned init, not built)
+    lr: float = 1e-3
+    hidden_factor: float = 1.0  # predictor hidden width / head_dim (seed: gamma = 1)
+    # LowRAM-Q: the key basis A in key_bits and the value residuals in residual_bits (None = FP16), groups
+    # of group_size coordinates with an FP16 minimum and scale (residualkv.quant)
+    key_bits: int | None = None
+    residual_bits: int | None = None
+    group_size: int = 32
+    oversample: int = 8  # randomised range finder: extra columns and power iterations
+    power_iters: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.ratio > 1.0, "ratio", self.ratio, "use a compression ratio above 1 (seed: 3-4, LowRAM-Q 4.8-6.4)")
+        _check(self.layer_group >= 1, "layer_group", self.layer_group, "group at least one layer (xKV: 2-4)")
+        _check(self.fit_steps >= 0, "fit_steps", self.fit_steps, "use 0 or more Adam steps (seed: 150-300)")
+        _check(self.lr > 0, "lr", self.lr, "use a positive learning rate (seed: 1e-3)")
+        _check(self.hidden_factor > 0, "hidden_factor", self.hidden_factor, "use a positive width factor (seed: 1)")
+        for name in ("key_bits", "residual_bits"):
+            b = getattr(self, name)
+            _check(b is None or b in SUPPORTED_BITS, name, b, f"use None (FP16) or one of {SUPPORTED_BITS}")
+        _check(self.group_size >= 8 and self.group_size % 8 == 0, "group_size", self.group_size,
+               "use a positive multiple of 8 (default 32) so groups pack into whole bytes")
+        _check(self.oversample >= 0, "oversample", self.oversample, "use 0 or more extra columns (default 8)")
+        _check(self.power_iters >= 0, "power_iters", self.power_iters, "use 0 or more power iterations (default 1)")
+
+    def replace(self, **changes: Any) -> "LowRAMConfig":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown LowRAMConfig field(s) {sorted(unknown)}; known: "
+                              f"{[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
 class CodecDims:
     """Shapes of a per-layer codec: input 2·d_k (all KV heads' key and value), latent d_c, SwiGLU width d_ff."""
 
@@ -173,4 +217,4 @@ def load_codec_defaults(spec_codec: dict[str, Any], full_attention_layers: list[
     return ResidualKVConfig(full_attention_layers=tuple(full_attention_layers), **kw)
 
 
-__all__ = ["ConfigError", "ResidualKVConfig", "CodecDims", "check_group_size", "load_codec_defaults"]
+__all__ = ["ConfigError", "ResidualKVConfig", "LowRAMConfig", "CodecDims", "check_group_size", "load_codec_defaults"]

@@ -13,7 +13,8 @@ from transformers import DynamicCache
 
 from .cache import OmniKVCache, ResidualKVCache
 from .codec import ResidualCodec, model_shape
-from .config import ResidualKVConfig
+from .config import LowRAMConfig, ResidualKVConfig
+from .lowram import LowRAMCache
 from .snapkv import SnapKVCache
 
 
@@ -66,6 +67,12 @@ def _snapkv(ratio: float):
     return build
 
 
+def _lowram(**fields):
+    def build(model, codec, base):
+        return LowRAMCache.from_model(model, LowRAMConfig(**fields))
+    return build
+
+
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("full", "FP16 full cache (transformers DynamicCache)", False, _full),
     Method("kivi4", "KIVI-style 4-bit keys per channel / values per token on every layer (prefill over exact KV)",
@@ -85,6 +92,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "SnapKV's survivors after the prompt plus the references they need (irreversible)", True,
            _residual(bits=4, mode="snapkv")),
     Method("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", True, _residual(bits=2, mode="standalone")),
+    Method("lowram", "LowRAM (seed 003) at 4x: xKV low-rank keys (groups of 4 layers), values from a predictor fitted "
+           "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training", False, _lowram()),
+    Method("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",
+           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2)),
 ]}
 
 

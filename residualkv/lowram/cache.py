@@ -1,0 +1,245 @@
+"""The LowRAM cache (seed 003): a `transformers` Cache whose prompt is stored as key factors, a value
+predictor and sparse residuals, fitted to that prompt during the prefill.
+
+Prefill: each layer attends over its exact keys and values (as a serving engine's prefill) and holds
+them until the last layer of its xKV group has run; then the group's pre-RoPE keys get one shared
+basis A and per-layer factors B (keys.py), and each layer of the group fits its value predictor on the
+keys as the cache will read them back, A B, and keeps the residuals of the tokens it predicts worst
+(values.py). The dense prompt is then dropped. Decode: every step rebuilds the prompt's keys (A B,
+rotated) and values (f(A B) + residuals) and attends over all of them (CR = 100%); tokens written after
+the prompt are kept exact in FP16, as the seed does.
+
+Every stored tensor is what is counted: A in FP16 or packed `key_bits`, B and the predictors in FP16,
+the residuals in FP16 or packed `residual_bits`, and which tokens have one as a bit mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..cache import RowLayout, _GroupedLayer, _position_ids
+from ..codec import model_shape
+from ..config import ConfigError, LowRAMConfig
+from ..growing import Growing, grown
+from ..quant import Packed, dequantize, pack_bits, quantize, unpack_bits
+from ..rope import RopeTable, apply_rope, invert_rope
+from ..stores import flat_heads, nbytes_of, sum_bytes
+from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
+from .values import Predictor, fit_predictor, slim_init, worst_predicted
+
+
+class Quantised:
+    """A float tensor stored in FP16, or packed `bits` along its last dim in groups (None = FP16)."""
+
+    def __init__(self, x: torch.Tensor, bits: int | None, group: int):
+        # a last dim the groups do not divide (a basis narrower than one group), or nothing to store: FP16
+        packable = bits is not None and x.shape[-1] % group == 0 and x.numel() > 0
+        self.bits, self.group = (bits if packable else None), group
+        self.data = x.to(torch.float16) if self.bits is None else quantize(x, self.bits, group)
+
+    def read(self) -> torch.Tensor:
+        if self.bits is None:
+            return self.data.float()
+        return dequantize(self.data, self.bits, self.group)
+
+    def nbytes(self) -> int:
+        return self.data.nbytes() if isinstance(self.data, Packed) else nbytes_of(self.data)
+
+
+def _bytes_per_coord(bits: int | None, group: int) -> float:
+    return 2.0 if bits is None else bits / 8 + 4 / group
+
+
+class LowRAMStore:
+    """One layer's tokens for one row group [R rows]: the prompt as factors, predictor and residuals
+    (after `compress`), then the exact tail."""
+
+    k_tail = grown("_k_tail")  # [R, H, t, D] FP16, post-RoPE
+    v_tail = grown("_v_tail")
+
+    def __init__(self):
+        self.n = 0  # tokens stored (prompt + tail)
+        self.n_prompt = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # exact pre-RoPE keys, values until compressed
+        self.basis: Quantised | None = None  # A [R, T, k], shared with the other layers of the xKV group
+        self.factors: torch.Tensor | None = None  # B [R, k, H·D] FP16
+        self.predictor: Predictor | None = None  # [R·H, ...] FP16
+        self.mask: torch.Tensor | None = None  # uint8 [R·H, ceil(T/8)]: bit t set = token t has a residual
+        self.residuals: Quantised | None = None  # [R·H, n_keep, D], in token order
+        self.n_keep = 0  # residuals per (row, head)
+        self._k_tail, self._v_tail = Growing(dim=2), Growing(dim=2)
+
+    def hold(self, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        self.pending = (k_pre.detach().float(), v.detach().float())
+        self.shape = tuple(k_pre.shape)  # R, H, T, D of the prompt
+        self.n = self.n_prompt = k_pre.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._k_tail.append(k.detach().to(torch.float16))
+        self._v_tail.append(v.detach().to(torch.float16))
+        self.n += k.shape[2]
+
+    def prompt_keys(self) -> torch.Tensor:
+        """The prompt's pre-RoPE keys as stored, A B: [R, H, T, D] float32."""
+        R, H, T, D = self.shape
+        return (self.basis.read() @ self.factors.float()).view(R, T, H, D).transpose(1, 2)
+
+    def read(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (rotated with cos, sin [R, T, D] of the prompt's positions) and values of every stored
+        token, float32 [R, H, n, D]."""
+        kp = self.prompt_keys()
+        R, H, T, D = kp.shape
+        v = self.predictor(kp.reshape(R * H, T, D))
+        has = unpack_bits(self.mask, 1)[:, :T].bool()
+        v[has] += self.residuals.read().reshape(-1, D)
+        k, v = apply_rope(kp, cos, sin), v.view(R, H, T, D)
+        if self.n > self.n_prompt:
+            k = torch.cat([k, self.k_tail.float()], dim=2)
+            v = torch.cat([v, self.v_tail.float()], dim=2)
+        return k, v
+
+    def nbytes(self) -> dict[str, int]:
+        if self.pending is not None:
+            return {"prompt_pending_fp16": (self.pending[0].numel() + self.pending[1].numel()) * 2}
+        if self.factors is None:
+            return {}
+        return {"key_layer_factors": nbytes_of(self.factors), "value_predictors": self.predictor.nbytes(),
+                "value_residuals": self.residuals.nbytes(), "residual_mask": nbytes_of(self.mask),
+                "exact_tail_fp16": nbytes_of(self.k_tail, self.v_tail)}
+
+    def spare_bytes(self) -> int:
+        return self._k_tail.spare_bytes() + self._v_tail.spare_bytes()
+
+
+def residual_group(cfg: LowRAMConfig, head_dim: int) -> int:
+    """A residual group never spans two heads: heads narrower than group_size take one group each."""
+    return min(cfg.group_size, head_dim)
+
+
+def residual_count(T: int, H: int, D: int, fixed_bytes: int, cfg: LowRAMConfig) -> int:
+    """Residuals per (row, head) that fit the values' share of the budget, T·H·D·2/ratio bytes per row,
+    after the row's predictors and residual mask (`fixed_bytes`). 0 when the predictors alone overrun it:
+    short prompts (the seed: amortisation pays off only after 2-3K tokens); the report shows the overrun."""
+    per = D * _bytes_per_coord(cfg.residual_bits, residual_group(cfg, D))
+    spare = T * H * D * 2 / cfg.ratio - fixed_bytes
+    return max(0, min(T, int(spare // (H * per))))
+
+
+def compress_group(stores: list[LowRAMStore], slims: list[tuple[torch.Tensor, torch.Tensor]], cfg: LowRAMConfig,
+                   generator: torch.Generator) -> int:
+    """Turn the held prompts of one xKV group's layers (one row group) into factors, predictors and
+    residuals; returns the key rank."""
+    k_pre = [s.pending[0] for s in stores]
+    R, H, T, D = k_pre[0].shape
+    m = torch.cat([flat_heads(k) for k in k_pre], dim=-1)  # [R, T, G·H·D]
+    rank = rank_for_ratio(T, m.shape[-1], cfg.ratio, _bytes_per_coord(cfg.key_bits, cfg.group_size),
+                          multiple=cfg.group_size if cfg.key_bits is not None else 1)
+    basis = Quantised(low_rank_basis(m, rank, oversample=cfg.oversample, power_iters=cfg.power_iters,
+                                     generator=generator), cfg.key_bits, cfg.group_size)
+    a = basis.read()
+    factors = fit_layer_factors(m, a).to(torch.float16)
+    hidden = max(1, round(cfg.hidden_factor * D))
+    for j, (store, (w_lin, b2)) in enumerate(zip(stores, slims)):
+        store.basis, store.factors = basis, factors[..., j * H * D:(j + 1) * H * D].contiguous()
+        v = store.pending[1].reshape(R * H, T, D)
+        keys = store.prompt_keys().reshape(R * H, T, D)  # what decode will feed the predictor
+        f = fit_predictor(keys, v, w_lin, b2, steps=cfg.fit_steps, lr=cfg.lr, hidden=hidden, generator=generator).to(torch.float16)
+        resid = v - f(keys)
+        mask_bytes = H * ((T + 7) // 8)
+        n_keep = residual_count(T, H, D, f.nbytes() // R + mask_bytes, cfg)
+        keep = worst_predicted(resid.pow(2).sum(-1), n_keep)
+        bits = torch.zeros(R * H, (T + 7) // 8 * 8, dtype=torch.uint8, device=v.device)
+        bits[:, :T] = keep.to(torch.uint8)
+        store.predictor, store.mask, store.n_keep = f, pack_bits(bits, 1), n_keep
+        store.residuals = Quantised(resid[keep].view(R * H, n_keep, D), cfg.residual_bits, residual_group(cfg, D))
+        store.pending = None
+    return rank
+
+
+class LowRAMLayer(_GroupedLayer):
+    def __init__(self, rope: RopeTable):
+        self.rope = rope
+        super().__init__()
+
+    def _new_store(self) -> LowRAMStore:
+        return LowRAMStore()
+
+    def _write_and_read(self, store: LowRAMStore, k, v, pos, ordinals=None, latent=False):
+        if ordinals is not None:
+            raise ValueError("LowRAM layers read their whole history (no sparse selection)")
+        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        if store.n == 0:  # the prompt: attended exactly, held until its xKV group compresses it
+            store.hold(invert_rope(k.float(), cos, sin), v)
+            return k, v
+        if store.pending is not None:
+            raise RuntimeError("a LowRAM layer was written twice before its xKV group compressed the prompt")
+        T = store.n_prompt
+        hk, hv = store.read(cos[:, :T], sin[:, :T])
+        store.append(k, v)
+        return torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
+
+    def nbytes(self) -> dict[str, int]:
+        return sum_bytes(s.nbytes() for s in self.stores)
+
+
+class LowRAMCache(Cache):
+    """Drop-in `cache=` for `model.generate` (batch >= 1, left padding included: each row's prompt is
+    fitted on its own tokens). The first forward call's tokens are the compressed prompt; later calls
+    append exactly (periodic re-compression of long generations is the seed's future work)."""
+
+    def __init__(self, config: LowRAMConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 rope: RopeTable, slim: list[tuple[torch.Tensor, torch.Tensor]]):
+        if config.residual_bits is not None and head_dim % residual_group(config, head_dim):
+            raise ConfigError(f"invalid group_size={config.group_size}: quantised residuals need a group size that "
+                              f"divides head_dim={head_dim}")
+        self.config = config
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.slim = slim
+        self.rows = RowLayout(schedule=None)  # LowRAM has no reference schedule; rows and positions only
+        G = config.layer_group
+        self.xkv_groups = [list(range(i, min(i + G, num_layers))) for i in range(0, num_layers, G)]
+        self.key_ranks: list[int] = []
+        super().__init__(layers=[LowRAMLayer(rope) for _ in range(num_layers)])
+
+    @classmethod
+    def from_model(cls, model, config: LowRAMConfig | None = None, **changes) -> "LowRAMCache":
+        config = (config or LowRAMConfig()).replace(**changes)
+        n_layers, n_kv, head_dim = model_shape(model.config)
+        attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
+        slim = [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn]
+        return cls(config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
+                   rope=RopeTable.from_model(model), slim=slim)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if layer.n_slots == self.rows.n_slots:  # the first layer to see this call's tokens
+            self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
+        out = layer.update(key_states, value_states, self.rows)
+        group = next(g for g in self.xkv_groups if layer_idx in g)
+        if layer_idx == group[-1] and any(s.pending is not None for s in layer.stores):
+            for gi in range(len(layer.stores)):
+                # the same draws for every row group: a row compresses as it would alone
+                gen = torch.Generator().manual_seed(self.config.seed * 100_003 + group[0])
+                stores = [self.layers[j].stores[gi] for j in group]
+                self.key_ranks.append(compress_group(stores, [self.slim[j] for j in group], self.config, gen))
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self.rows = RowLayout(schedule=None)
+        self.key_ranks = []
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by component; each xKV group's shared basis counted once."""
+        out = sum_bytes(layer.nbytes() for layer in self.layers)
+        bases = {id(s.basis): s.basis for layer in self.layers for s in layer.stores if s.basis is not None}
+        out["key_basis"] = sum(b.nbytes() for b in bases.values())
+        out["positions"] = self.rows.nbytes()
+        return out
+
+    def spare_bytes(self) -> int:
+        return sum(layer.spare_bytes() for layer in self.layers) + self.rows.spare_bytes()
+
+    def fp16_bytes(self) -> int:
+        return self.rows.valid_tokens() * len(self.layers) * 2 * self.num_kv_heads * self.head_dim * 2
