@@ -132,7 +132,7 @@ def _report_lowram(cache: LowRAMCache) -> dict[str, Any]:
     total, fp16 = sum(comp.values()), cache.fp16_bytes()
     kr = total / fp16 if fp16 else 0.0
     target = 1 / cache.config.ratio
-    gap = {k: comp.get(k, 0) / fp16 for k in ("exact_tail_fp16", "positions", "prompt_pending_fp16")} if fp16 else {}
+    gap = {k: comp[k] / fp16 for k in ("exact_tail_fp16", "positions", "prompt_pending_fp16") if k in comp} if fp16 else {}
     gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
     stores = [s for layer in cache.layers for s in layer.stores if s.mask is not None]
     per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in cache.layers]
