@@ -53,7 +53,7 @@ def _bytes_per_coord(bits: int | None, group: int) -> float:
 
 class LowRAMStore:
     """One layer's tokens for one row group [R rows]: the prompt as factors, predictor and residuals
-    (after `compress`), then the exact tail."""
+    (once `compress_group` has run), then the exact tail."""
 
     k_tail = grown("_k_tail")  # [R, H, t, D] FP16, post-RoPE
     v_tail = grown("_v_tail")
@@ -61,6 +61,7 @@ class LowRAMStore:
     def __init__(self):
         self.n = 0  # tokens stored (prompt + tail)
         self.n_prompt = 0
+        self.shape: tuple[int, int, int, int] | None = None  # R, H, T, D of the prompt
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # exact pre-RoPE keys, values until compressed
         self.basis: Quantised | None = None  # A [R, T, k], shared with the other layers of the xKV group
         self.factors: torch.Tensor | None = None  # B [R, k, H·D] FP16
@@ -72,7 +73,7 @@ class LowRAMStore:
 
     def hold(self, k_pre: torch.Tensor, v: torch.Tensor) -> None:
         self.pending = (k_pre.detach().float(), v.detach().float())
-        self.shape = tuple(k_pre.shape)  # R, H, T, D of the prompt
+        self.shape = tuple(k_pre.shape)
         self.n = self.n_prompt = k_pre.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
