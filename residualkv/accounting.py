@@ -20,7 +20,6 @@ from typing import Any
 from transformers import DynamicCache
 
 from .cache import KiviLayer, OmniKVCache, ResidualKVCache, ResidualLayer
-from .lowram import LowRAMCache
 
 
 def q_bits(bits: int, group: int) -> float:
@@ -36,6 +35,7 @@ def kr_formula(beta: float, rho_ref: float, bits: int, d_c: int, d_kv: int, *, f
 
 def report(cache) -> dict[str, Any]:
     """JSON-ready accounting of a filled cache."""
+    from .lowram import LowRAMCache
     from .snapkv import SnapKVCache, snapkv_report
 
     if isinstance(cache, SnapKVCache):
@@ -61,12 +61,17 @@ def _nominal_read(cfg, n: int) -> int:
     return min(n, forced + token_budget(cfg, n))
 
 
+def _cr_per_layer(layers) -> list[float]:
+    """History tokens each layer's attention read / history tokens, over the decode steps."""
+    return [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in layers]
+
+
 def _sparse_report(cache) -> dict[str, Any]:
     """CR and what the attention path read, per layer and per decode step (see module docstring)."""
     cfg, layers = cache.config, cache.layers
     n_layers = len(layers)
     filters = set(cfg.full_attention_layers)
-    per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in layers]
+    per_layer = _cr_per_layer(layers)
     sparse_ids = [i for i in range(n_layers) if i not in filters]
     beta = len(filters) / n_layers
     r = sum(per_layer[i] for i in sparse_ids) / len(sparse_ids) if sparse_ids else 1.0
@@ -124,7 +129,7 @@ def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
             **_sparse_report(cache)}
 
 
-def _report_lowram(cache: LowRAMCache) -> dict[str, Any]:
+def _report_lowram(cache) -> dict[str, Any]:
     """LowRAM's target is its ratio: keys and values each get 1/ratio of their FP16 bytes. The gap is the
     exact tail (tokens after the prompt, FP16 by design), the positions, and what the per-context solve
     could not meet: rank and residual counts rounded down, or predictors alone over budget (short prompts)."""
@@ -135,7 +140,7 @@ def _report_lowram(cache: LowRAMCache) -> dict[str, Any]:
     gap = {k: comp[k] / fp16 for k in ("exact_tail_fp16", "positions", "prompt_pending_fp16") if k in comp} if fp16 else {}
     gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
     stores = [s for layer in cache.layers for s in layer.stores if s.mask is not None]
-    per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in cache.layers]
+    per_layer = _cr_per_layer(cache.layers)
     return {"kr_measured": kr, "kr_formula": target, "cr": sum(per_layer) / len(per_layer), "cr_per_layer": per_layer,
             "cr_scope": "decode steps; every stored token is rebuilt and attended",
             "decode_steps": min((len(layer.decode_log) for layer in cache.layers), default=0),

@@ -104,10 +104,7 @@ class ResidualKVConfig:
                self.full_attention_layers, "list each layer id once")
 
     def replace(self, **changes: Any) -> "ResidualKVConfig":
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown ResidualKVConfig field(s) {sorted(unknown)}; known: {self.field_names()}")
-        return dataclasses.replace(self, **changes)
+        return _replace(self, changes)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -171,11 +168,7 @@ class LowRAMConfig:
         _check(self.power_iters >= 0, "power_iters", self.power_iters, "use 0 or more power iterations (default 1)")
 
     def replace(self, **changes: Any) -> "LowRAMConfig":
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown LowRAMConfig field(s) {sorted(unknown)}; known: "
-                              f"{[f.name for f in dataclasses.fields(self)]}")
-        return dataclasses.replace(self, **changes)
+        return _replace(self, changes)
 
 
 @dataclass(frozen=True)
@@ -203,6 +196,15 @@ def check_group_size(group_size: int, latent_sizes, label: str = "group_size=") 
         options = " or ".join(map(str, sorted({math.gcd(bad[0], 32), bad[0]})))
         raise ConfigError(f"{label}{group_size} does not divide the latent size d_c {bad}: choose a group size "
                           f"that divides d_c (for d_c {bad[0]}: {options})")
+
+
+def _replace(cfg, changes: dict[str, Any]):
+    """A copy of the frozen config `cfg` with `changes`; unknown field names are refused by name."""
+    known = [f.name for f in dataclasses.fields(cfg)]
+    unknown = set(changes) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown {type(cfg).__name__} field(s) {sorted(unknown)}; known: {known}")
+    return dataclasses.replace(cfg, **changes)
 
 
 def _check(ok: bool, name: str, value: Any, fix: str) -> None:

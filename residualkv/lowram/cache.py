@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..accounting import q_bits
 from ..cache import RowLayout, _GroupedLayer, _position_ids
 from ..codec import model_shape
 from ..config import ConfigError, LowRAMConfig
@@ -48,7 +49,7 @@ class Quantised:
 
 
 def _bytes_per_coord(bits: int | None, group: int) -> float:
-    return 2.0 if bits is None else bits / 8 + 4 / group
+    return 2.0 if bits is None else 2 * q_bits(bits, group)
 
 
 class LowRAMStore:

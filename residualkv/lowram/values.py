@@ -43,9 +43,12 @@ def slim_init(k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, n_kv: int, head_
     wk = k_proj.weight.detach().double().view(n_kv, head_dim, -1).mT  # [H, hidden, D]: k = x W_K
     wv = v_proj.weight.detach().double().view(n_kv, head_dim, -1).mT
     w_lin = torch.linalg.pinv(wk) @ wv
-    bk = (k_proj.bias.detach().double() if k_proj.bias is not None else wk.new_zeros(n_kv * head_dim)).view(n_kv, 1, head_dim)
-    bv = (v_proj.bias.detach().double() if v_proj.bias is not None else wk.new_zeros(n_kv * head_dim)).view(n_kv, 1, head_dim)
-    return w_lin.float(), (bv - bk @ w_lin).float()
+
+    def bias(proj: torch.nn.Linear) -> torch.Tensor:
+        b = proj.bias.detach().double() if proj.bias is not None else wk.new_zeros(n_kv * head_dim)
+        return b.view(n_kv, 1, head_dim)
+
+    return w_lin.float(), (bias(v_proj) - bias(k_proj) @ w_lin).float()
 
 
 def fit_predictor(keys: torch.Tensor, values: torch.Tensor, w_lin: torch.Tensor, b2: torch.Tensor, *, steps: int,
