@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import CodecDims, ResidualKVConfig
+from .paths import write_dir_atomically
 
 FORMAT_VERSION = 1
 WEIGHTS = "codec.safetensors"
@@ -142,22 +141,13 @@ class ResidualCodec(nn.Module):
 
     def save(self, directory: str | Path) -> Path:
         """Write weights and metadata atomically: a reader sees the old codec or the new one, never half."""
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; a saved codec is meant to be shared
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "residualkv-codec"})
-        meta = self.meta() | {"weights_sha256": sha256_file(tmp / WEIGHTS)}
-        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        if directory.exists():
-            old = directory.with_name(directory.name + ".old")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            _rmtree(old)
-        else:
-            os.replace(tmp, directory)
-        return directory
+        def write(tmp: Path) -> None:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "residualkv-codec"})
+            meta = self.meta() | {"weights_sha256": sha256_file(tmp / WEIGHTS)}
+            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+        return write_dir_atomically(directory, write)
 
     @classmethod
     def load(cls, directory: str | Path, model_config=None) -> "ResidualCodec":
@@ -260,9 +250,3 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
