@@ -162,6 +162,37 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_lowram_init(args) -> int:
+    from .config import LowRAMConfig
+    from .lowram.meta import learn_starts
+    from .lowram.starts import starts_root
+    from .training.packing import pack_documents, resolve_source
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, spec = load_backbone(args.backbone)
+    name = spec.name if spec else Path(str(args.backbone)).name
+    packed = pack_documents(resolve_source("offline"), tok, args.seq_len)
+    n_train, n_held = len(packed.train), len(packed.heldout)
+    if n_train < args.contexts or n_held < args.heldout:
+        raise SystemExit(f"the offline corpus packs {n_train} training and {n_held} held-out blocks of {args.seq_len} "
+                         f"tokens; ask for fewer --contexts / --heldout or a shorter --seq-len")
+    # contexts drawn across the whole training split, not the first few documents
+    pick = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed))[:args.contexts].sort().values
+    train_ids = torch.tensor(packed.train.select(pick.tolist())["input_ids"])
+    heldout_ids = torch.tensor(packed.heldout.select(range(args.heldout))["input_ids"])
+    starts = learn_starts(model, train_ids, heldout_ids, LowRAMConfig(ratio=args.ratio), warm_steps=args.warm_steps,
+                          meta_steps=args.meta_steps, inner_steps=args.inner_steps, accumulate=args.accumulate,
+                          outer_lr=args.outer_lr, eval_steps=tuple(args.eval_steps), seed=args.seed, backbone=name)
+    out = Path(args.out) if args.out else starts_root() / name / (
+        f"L{args.seq_len}-n{args.contexts}-w{args.warm_steps}-m{args.meta_steps}-k{args.inner_steps}-s{args.seed}")
+    starts.save(out)
+    summary = {"path": str(out), **{k: starts.meta[k] for k in ("heldout_relative_error", "seconds")}}
+    print(json.dumps(summary, indent=2) if args.json else
+          f"[rkv lowram-init] saved {out}; methods lowram-meta and lowram-q-meta now start from it")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rkv", description="ResidualKV: learned KV-cache compression for HF LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -190,6 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default="Explain in two sentences what a key-value cache is in a transformer.")
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.set_defaults(func=cmd_demo)
+
+    li = sub.add_parser("lowram-init", help="learn LowRAM's predictor starts for a backbone (warm start + FOMAML "
+                        "meta-init), so a context fits in 2 steps (methods lowram-meta, lowram-q-meta)")
+    li.add_argument("--backbone", default="smollm2-135m")
+    li.add_argument("--contexts", type=int, default=16, help="training contexts (blocks of the offline corpus)")
+    li.add_argument("--heldout", type=int, default=4, help="held-out contexts the fit errors are measured on")
+    li.add_argument("--seq-len", type=int, default=2048, help="tokens per context")
+    li.add_argument("--ratio", type=float, default=4.0, help="LowRAM ratio whose xKV keys the predictors read")
+    li.add_argument("--warm-steps", type=int, default=25, help="Adam steps of the warm start on the pooled contexts (seed: 25)")
+    li.add_argument("--meta-steps", type=int, default=50, help="FOMAML outer steps")
+    li.add_argument("--inner-steps", type=int, default=2, help="online Adam steps the meta-init is learnt for (seed: 2)")
+    li.add_argument("--accumulate", type=int, default=8, help="contexts per outer step (seed: 8)")
+    li.add_argument("--outer-lr", type=float, default=3e-4, help="outer AdamW learning rate (seed: 3e-4)")
+    li.add_argument("--eval-steps", type=lambda t: [int(x) for x in t.split(",")], default=[0, 2],
+                    help="online step counts whose held-out error is measured from each start, e.g. 0,2,150")
+    li.add_argument("--seed", type=int, default=0)
+    li.add_argument("--threads", type=int, default=None)
+    li.add_argument("--out", default=None, help="folder to save to (default: <data dir>/lowram/<backbone>/<settings>)")
+    li.add_argument("--json", action="store_true", help="print the path, held-out errors and timings as JSON")
+    li.set_defaults(func=cmd_lowram_init)
 
     from .evaluation.cli import register as register_eval
     from .training.cli import register as register_train

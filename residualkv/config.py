@@ -131,6 +131,9 @@ class ResidualKVConfig:
         return [i for i in range(num_layers) if i not in self.full_attention_layers]
 
 
+PREDICTOR_STARTS = ("slim", "warm", "meta")
+
+
 @dataclass(frozen=True)
 class LowRAMConfig:
     """LowRAM, the second method (seed 003): keys in a cross-layer low-rank basis (xKV), values amortised by
@@ -141,8 +144,13 @@ class LowRAMConfig:
     # get 1/ratio of their FP16 bytes; the key rank and the residual count are solved from it per context
     ratio: float = 4.0
     layer_group: int = 4  # G adjacent layers share one key basis (xKV)
-    fit_steps: int = 150  # Adam steps per layer (seed: 150-300; 2 from a meta-learned init, not built)
+    fit_steps: int = 150  # Adam steps per layer (seed: 150-300; 2 from the meta-learned start)
     lr: float = 1e-3
+    # where each context's fit starts: "slim" (W_K^+ W_V, nothing learnt offline), or a start learnt once
+    # per backbone by `rkv lowram-init`: "warm" (pre-trained on pooled contexts) or "meta" (FOMAML, for
+    # 2-step fits); starts_path is its folder, None = the newest saved for the model under the data dir
+    start: str = "slim"
+    starts_path: str | None = None
     hidden_factor: float = 1.0  # predictor hidden width / head_dim (seed: gamma = 1)
     # LowRAM-Q: the key basis A in key_bits and the value residuals in residual_bits (None = FP16), groups
     # of group_size coordinates with an FP16 minimum and scale (residualkv.quant)
@@ -158,6 +166,9 @@ class LowRAMConfig:
         _check(self.layer_group >= 1, "layer_group", self.layer_group, "group at least one layer (xKV: 2-4)")
         _check(self.fit_steps >= 0, "fit_steps", self.fit_steps, "use 0 or more Adam steps (seed: 150-300)")
         _check(self.lr > 0, "lr", self.lr, "use a positive learning rate (seed: 1e-3)")
+        _check(self.start in PREDICTOR_STARTS, "start", self.start, f"choose one of {PREDICTOR_STARTS}")
+        _check(self.starts_path is None or self.start != "slim", "starts_path", self.starts_path,
+               "saved starts are read only with start='warm' or 'meta'; drop starts_path or set start")
         _check(self.hidden_factor > 0, "hidden_factor", self.hidden_factor, "use a positive width factor (seed: 1)")
         for name in ("key_bits", "residual_bits"):
             b = getattr(self, name)

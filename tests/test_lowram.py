@@ -11,7 +11,7 @@ from residualkv.config import ConfigError, LowRAMConfig
 from residualkv.lowram import LowRAMCache
 from residualkv.lowram.cache import LowRAMStore
 from residualkv.lowram.keys import fit_layer_factors, low_rank_basis, rank_for_ratio
-from residualkv.lowram.values import fit_predictor, slim_init, worst_predicted
+from residualkv.lowram.values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 from residualkv.methods import build_cache
 from residualkv.quant import Packed, unpack_bits
 from residualkv.rope import apply_rope
@@ -92,14 +92,13 @@ def test_fitting_beats_its_linear_start_and_heads_are_independent():
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 400, 16, generator=g)
     values = torch.relu(keys @ torch.randn(16, 16, generator=g)) + 0.3 * keys
-    w_lin, b2 = torch.zeros(2, 16, 16), torch.zeros(2, 1, 16)
-    start = fit_predictor(keys, values, w_lin, b2, steps=0, lr=1e-3, hidden=16, generator=torch.Generator().manual_seed(0))
-    fitted = fit_predictor(keys, values, w_lin, b2, steps=150, lr=1e-3, hidden=16, generator=torch.Generator().manual_seed(0))
+    slim = slim_start(torch.zeros(2, 16, 16), torch.zeros(2, 1, 16), 16, torch.Generator().manual_seed(0))
+    start = fit_predictor(keys, values, slim, steps=0, lr=1e-3)
+    fitted = fit_predictor(keys, values, slim, steps=150, lr=1e-3)
     e0, e1 = ((start(keys) - values) ** 2).mean(), ((fitted(keys) - values) ** 2).mean()
     assert e1 < 0.5 * e0
-    alone = fit_predictor(keys[:1], values[:1], w_lin[:1], b2[:1], steps=20, lr=1e-3, hidden=16,
-                          generator=torch.Generator().manual_seed(0))
-    both = fit_predictor(keys, values, w_lin, b2, steps=20, lr=1e-3, hidden=16, generator=torch.Generator().manual_seed(0))
+    alone = fit_predictor(keys[:1], values[:1], Predictor(*(t[:1] for t in slim)), steps=20, lr=1e-3)
+    both = fit_predictor(keys, values, slim, steps=20, lr=1e-3)
     assert torch.allclose(alone(keys[:1]), both(keys)[:1], atol=1e-5)  # head 0 does not see head 1
 
 

@@ -27,7 +27,8 @@ from ..quant import Packed, dequantize, pack_bits, quantize, unpack_bits
 from ..rope import RopeTable, apply_rope, invert_rope
 from ..stores import flat_heads, nbytes_of, sum_bytes
 from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
-from .values import Predictor, fit_predictor, slim_init, worst_predicted
+from .starts import PredictorStarts
+from .values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 
 
 class Quantised:
@@ -84,8 +85,7 @@ class LowRAMStore:
 
     def prompt_keys(self) -> torch.Tensor:
         """The prompt's pre-RoPE keys as stored, A B: [R, H, T, D] float32."""
-        R, H, T, D = self.shape
-        return (self.basis.read() @ self.factors.float()).view(R, T, H, D).transpose(1, 2)
+        return stored_keys(self.basis, self.factors, self.shape)
 
     def read(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (rotated with cos, sin [R, T, D] of the prompt's positions) and values of every stored
@@ -128,25 +128,44 @@ def residual_count(T: int, H: int, D: int, fixed_bytes: int, cfg: LowRAMConfig) 
     return max(0, min(T, int(spare // (H * per))))
 
 
-def compress_group(stores: list[LowRAMStore], slims: list[tuple[torch.Tensor, torch.Tensor]], cfg: LowRAMConfig,
-                   generator: torch.Generator) -> int:
-    """Turn the held prompts of one xKV group's layers (one row group) into factors, predictors and
-    residuals; returns the key rank."""
-    k_pre = [s.pending[0] for s in stores]
-    R, H, T, D = k_pre[0].shape
+def group_generator(cfg: LowRAMConfig, first_layer: int) -> torch.Generator:
+    """The random draws of the xKV group starting at `first_layer` (its range finder, then Slim's W1)."""
+    return torch.Generator().manual_seed(cfg.seed * 100_003 + first_layer)
+
+
+def factorise_keys(k_pre: list[torch.Tensor], cfg: LowRAMConfig, generator: torch.Generator) -> tuple[Quantised, torch.Tensor, int]:
+    """One xKV group's pre-RoPE keys (one [R, H, T, D] per layer) as the shared basis A (stored as `cfg`
+    says), the layers' factors B side by side [R, k, G·H·D] FP16, and the rank."""
+    T = k_pre[0].shape[2]
     m = torch.cat([flat_heads(k) for k in k_pre], dim=-1)  # [R, T, G·H·D]
     rank = rank_for_ratio(T, m.shape[-1], cfg.ratio, _bytes_per_coord(cfg.key_bits, cfg.group_size),
                           multiple=cfg.group_size if cfg.key_bits is not None else 1)
     basis = Quantised(low_rank_basis(m, rank, oversample=cfg.oversample, power_iters=cfg.power_iters,
                                      generator=generator), cfg.key_bits, cfg.group_size)
-    a = basis.read()
-    factors = fit_layer_factors(m, a).to(torch.float16)
+    return basis, fit_layer_factors(m, basis.read()).to(torch.float16), rank
+
+
+def stored_keys(basis: Quantised, factors: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """One layer's pre-RoPE keys as the cache reads them back, A B: [R, H, T, D] float32."""
+    R, H, T, D = shape
+    return (basis.read() @ factors.float()).view(R, T, H, D).transpose(1, 2)
+
+
+def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[torch.Tensor, torch.Tensor]],
+                   cfg: LowRAMConfig, generator: torch.Generator) -> int:
+    """Turn the held prompts of one xKV group's layers (one row group) into factors, predictors and
+    residuals; returns the key rank. `starts` holds, per layer, a saved start [H, ...] or Slim's
+    (w_lin, b2), from which W1 is drawn here."""
+    R, H, T, D = stores[0].shape
+    basis, factors, rank = factorise_keys([s.pending[0] for s in stores], cfg, generator)
     hidden = max(1, round(cfg.hidden_factor * D))
-    for j, (store, (w_lin, b2)) in enumerate(zip(stores, slims)):
+    for j, (store, start) in enumerate(zip(stores, starts)):
         store.basis, store.factors = basis, factors[..., j * H * D:(j + 1) * H * D].contiguous()
         v = store.pending[1].reshape(R * H, T, D)
         keys = store.prompt_keys().reshape(R * H, T, D)  # what decode will feed the predictor
-        f = fit_predictor(keys, v, w_lin, b2, steps=cfg.fit_steps, lr=cfg.lr, hidden=hidden, generator=generator).to(torch.float16)
+        if not isinstance(start, Predictor):
+            start = slim_start(*start, hidden, generator)
+        f = fit_predictor(keys, v, start, steps=cfg.fit_steps, lr=cfg.lr).to(torch.float16)
         resid = v - f(keys)
         mask_bytes = H * ((T + 7) // 8)
         n_keep = residual_count(T, H, D, f.nbytes() // R + mask_bytes, cfg)
@@ -191,13 +210,13 @@ class LowRAMCache(Cache):
     append exactly (periodic re-compression of long generations is the seed's future work)."""
 
     def __init__(self, config: LowRAMConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 rope: RopeTable, slim: list[tuple[torch.Tensor, torch.Tensor]]):
+                 rope: RopeTable, starts: list[Predictor | tuple[torch.Tensor, torch.Tensor]]):
         if config.residual_bits is not None and head_dim % residual_group(config, head_dim):
             raise ConfigError(f"invalid group_size={config.group_size}: quantised residuals need a group size that "
                               f"divides head_dim={head_dim}")
         self.config = config
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.slim = slim
+        self.starts = starts  # per layer: a learnt start [H, ...], or Slim's (w_lin, b2)
         self.rows = RowLayout(schedule=None)  # LowRAM has no reference schedule; rows and positions only
         G = config.layer_group
         self.xkv_groups = [list(range(i, min(i + G, num_layers))) for i in range(0, num_layers, G)]
@@ -208,10 +227,18 @@ class LowRAMCache(Cache):
     def from_model(cls, model, config: LowRAMConfig | None = None, **changes) -> "LowRAMCache":
         config = (config or LowRAMConfig()).replace(**changes)
         n_layers, n_kv, head_dim = model_shape(model.config)
-        attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
-        slim = [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn]
+        if config.start == "slim":
+            attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
+            starts = [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn]
+        else:
+            saved = PredictorStarts.resolve(config.starts_path, model)
+            starts = [saved.start(config.start, i) for i in range(n_layers)]
+            hidden = max(1, round(config.hidden_factor * head_dim))
+            if starts[0].w1.shape[-1] != hidden:
+                raise ConfigError(f"invalid hidden_factor={config.hidden_factor}: the starts in "
+                                  f"{saved.meta['path']} have hidden width {starts[0].w1.shape[-1]}, not {hidden}")
         return cls(config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
-                   rope=RopeTable.from_model(model), slim=slim)
+                   rope=RopeTable.from_model(model), starts=starts)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -222,9 +249,9 @@ class LowRAMCache(Cache):
         if layer_idx == group[-1] and any(s.pending is not None for s in layer.stores):
             for gi in range(len(layer.stores)):
                 # the same draws for every row group: a row compresses as it would alone
-                gen = torch.Generator().manual_seed(self.config.seed * 100_003 + group[0])
                 stores = [self.layers[j].stores[gi] for j in group]
-                self.key_ranks.append(compress_group(stores, [self.slim[j] for j in group], self.config, gen))
+                self.key_ranks.append(compress_group(stores, [self.starts[j] for j in group], self.config,
+                                                     group_generator(self.config, group[0])))
         return out
 
     def reset(self) -> None:

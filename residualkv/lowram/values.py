@@ -51,19 +51,21 @@ def slim_init(k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, n_kv: int, head_
     return w_lin.float(), (bias(v_proj) - bias(k_proj) @ w_lin).float()
 
 
-def fit_predictor(keys: torch.Tensor, values: torch.Tensor, w_lin: torch.Tensor, b2: torch.Tensor, *, steps: int,
-                  lr: float, hidden: int, generator: torch.Generator | None = None) -> Predictor:
-    """Fit f on keys, values [N = rows·H, T, D] (float32, row-major over rows then heads) from the Slim
-    start of each head (w_lin [H, D, D], b2 [H, 1, D]) with
-    `steps` full-batch Adam steps on the mean squared error of each (row, head), summed over them so each
-    one's gradient is its own."""
-    N, _, D = keys.shape
-    H = w_lin.shape[0]
-    bound = 1.0 / math.sqrt(D)  # nn.Linear's initialisation of W1
-    # one draw per head, repeated over the rows: a row's fit does not depend on the rows batched with it
-    w1 = (torch.rand(H, D, hidden, generator=generator) * 2 - 1).mul_(bound).repeat(N // H, 1, 1).to(keys.device)
-    params = [w1, keys.new_zeros(N, 1, hidden), keys.new_zeros(N, hidden, D),
-              b2.repeat(N // H, 1, 1).to(keys.device), w_lin.repeat(N // H, 1, 1).to(keys.device)]
+def slim_start(w_lin: torch.Tensor, b2: torch.Tensor, hidden: int, generator: torch.Generator | None = None) -> Predictor:
+    """The seed's per-context start, one per KV head [H, ...]: W_lin and b2 from Slim (w_lin [H, D, D],
+    b2 [H, 1, D]), W2 = 0 so f starts as that linear map, W1 drawn as nn.Linear draws it."""
+    H, D, _ = w_lin.shape
+    w1 = (torch.rand(H, D, hidden, generator=generator) * 2 - 1).mul_(1.0 / math.sqrt(D))
+    return Predictor(w1, w_lin.new_zeros(H, 1, hidden), w_lin.new_zeros(H, hidden, D), b2, w_lin)
+
+
+def fit_predictor(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, steps: int, lr: float) -> Predictor:
+    """Fit f on keys, values [N = rows·H, T, D] (float32, row-major over rows then heads) from `start`
+    [H, ...] (one per head, repeated over the rows: a row's fit does not depend on the rows batched with
+    it) with `steps` full-batch Adam steps on the mean squared error of each (row, head), summed over them
+    so each one's gradient is its own."""
+    reps = keys.shape[0] // start.w1.shape[0]
+    params = [t.detach().float().repeat(reps, 1, 1).to(keys.device) for t in start]
     if steps == 0:
         return Predictor(*params)
     with torch.enable_grad():
@@ -73,10 +75,14 @@ def fit_predictor(keys: torch.Tensor, values: torch.Tensor, w_lin: torch.Tensor,
         f = Predictor(*params)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            loss = (f(keys) - values).pow(2).mean(dim=(1, 2)).sum()
-            loss.backward()
+            fit_loss(f, keys, values).backward()
             opt.step()
     return Predictor(*params).to(torch.float32)
+
+
+def fit_loss(f: Predictor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The fitting objective: each (row, head)'s mean squared error over its tokens and dims, summed."""
+    return (f(keys) - values).pow(2).mean(dim=(-2, -1)).sum()
 
 
 def worst_predicted(err: torch.Tensor, n_keep: int) -> torch.Tensor:

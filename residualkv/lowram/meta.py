@@ -1,0 +1,176 @@
+"""Learning LowRAM's predictor starts once per backbone (seed 003, step four and the meta-init).
+
+Fitting each context's value predictors from Slim's linear map takes 150-300 Adam steps per layer,
+most of LowRAM's prefill. Two starts are learnt offline from contexts of held-out-free training text:
+- warm: the predictors fitted to many contexts pooled (seed: 25 Adam steps); a context's own fit then
+  starts there;
+- meta: first-order MAML from the warm start, so that K = 2 inner Adam steps (lr 1e-3, fresh state)
+  on a new context already predict it well. The outer gradient is each context's loss gradient at its
+  adapted weights (the first-order approximation), averaged over 8 contexts, applied by AdamW (3e-4).
+The pairs are what the cache fits on: keys as LowRAM stores them (the xKV basis of `config`) and the
+exact values, every layer and KV head of a context at once ([L·H, T, D]); each (layer, head) learns
+its own start.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from ..backbones import fingerprint
+from ..codec import model_shape
+from ..config import LowRAMConfig
+from ..rope import RopeTable, invert_rope
+from .cache import factorise_keys, group_generator, stored_keys
+from .starts import PredictorStarts, kv_digest
+from .values import Predictor, fit_loss, fit_predictor, slim_init, slim_start
+
+
+@torch.no_grad()
+def capture_pairs(model, ids: torch.Tensor, config: LowRAMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (as LowRAM stores them) and exact values of every layer and KV head for each row of ids [S, T]:
+    two float32 tensors [S, L·H, T, D], layer-major."""
+    n_layers, H, D = model_shape(model.config)
+    rope = RopeTable.from_model(model)
+    G = config.layer_group
+    keys, values = [], []
+    for row in ids:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=row[None], cache=cache, use_cache=True, logits_to_keep=1)
+        T = row.shape[0]
+        cos, sin = rope.cos_sin(torch.arange(T)[None], torch.float32)
+        k_pre = [invert_rope(cache.layers[i].keys.float(), cos, sin) for i in range(n_layers)]
+        k_read = []
+        for first in range(0, n_layers, G):
+            group = k_pre[first:first + G]
+            basis, factors, _ = factorise_keys(group, config, group_generator(config, first))
+            k_read += [stored_keys(basis, factors[..., j * H * D:(j + 1) * H * D], (1, H, T, D)) for j in range(len(group))]
+        keys.append(torch.cat(k_read).reshape(n_layers * H, T, D))
+        values.append(torch.cat([cache.layers[i].values.float() for i in range(n_layers)]).reshape(n_layers * H, T, D))
+    return torch.stack(keys), torch.stack(values)
+
+
+def slim_starts(model, config: LowRAMConfig, generator: torch.Generator) -> Predictor:
+    """Every layer's Slim start stacked [L·H, ...] (the online fit's start without learnt starts)."""
+    n_layers, H, D = model_shape(model.config)
+    hidden = max(1, round(config.hidden_factor * D))
+    per_layer = [slim_start(*slim_init(layer.self_attn.k_proj, layer.self_attn.v_proj, H, D), hidden, generator)
+                 for layer in getattr(model, "model", model).layers]
+    return Predictor(*(torch.cat(ts) for ts in zip(*per_layer)))
+
+
+def pooled(x: torch.Tensor) -> torch.Tensor:
+    """[S, N, T, D] -> [N, S·T, D]: each (layer, head) sees all S contexts' tokens as one."""
+    S, N, T, D = x.shape
+    return x.permute(1, 0, 2, 3).reshape(N, S * T, D)
+
+
+def warm_start(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, steps: int, lr: float) -> Predictor:
+    """Fit `start` [L·H, ...] to all contexts' pairs [S, L·H, T, D] pooled (seed step four)."""
+    return fit_predictor(pooled(keys), pooled(values), start, steps=steps, lr=lr)
+
+
+def meta_train(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, outer_steps: int, inner_steps: int = 2,
+               inner_lr: float = 1e-3, outer_lr: float = 3e-4, accumulate: int = 8, seed: int = 0,
+               on_step: Callable[[int, float], None] | None = None) -> Predictor:
+    """FOMAML from `start` [L·H, ...] over contexts [S, L·H, T, D]; `on_step(step, mean adapted loss)`."""
+    phi = [t.detach().float().clone().requires_grad_(True) for t in start]
+    # no weight decay: it would pull W_lin, the Slim map the start is built on, towards zero
+    outer = torch.optim.AdamW(phi, lr=outer_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(keys.shape[0], generator=gen).tolist()
+    for step in range(outer_steps):
+        grads = [torch.zeros_like(p) for p in phi]
+        total = 0.0
+        for a in range(accumulate):
+            s = order[(step * accumulate + a) % len(order)]
+            adapted = fit_predictor(keys[s], values[s], Predictor(*phi), steps=inner_steps, lr=inner_lr)
+            with torch.enable_grad():
+                params = [t.requires_grad_(True) for t in adapted]
+                loss = fit_loss(Predictor(*params), keys[s], values[s])
+                for g, dg in zip(grads, torch.autograd.grad(loss, params)):
+                    g.add_(dg, alpha=1.0 / accumulate)
+            total += loss.item() / accumulate
+        for p, g in zip(phi, grads):
+            p.grad = g
+        outer.step()
+        if on_step is not None:
+            on_step(step + 1, total)
+    return Predictor(*phi).to(torch.float32)
+
+
+@torch.no_grad()
+def relative_error(f: Predictor, keys: torch.Tensor, values: torch.Tensor) -> float:
+    """Mean over (layer, head) of |f(k) - v|^2 / |v|^2 on one context's pairs [L·H, T, D]."""
+    return ((f(keys) - values).pow(2).sum((-2, -1)) / values.pow(2).sum((-2, -1)).clamp_min(1e-12)).mean().item()
+
+
+def heldout_errors(starts: dict[str, Predictor], keys: torch.Tensor, values: torch.Tensor, steps: list[int],
+                   lr: float) -> dict[str, dict[str, float]]:
+    """{start: {steps: mean relative value error after that many online steps}} over held-out contexts."""
+    out: dict[str, dict[str, float]] = {}
+    for name, start in starts.items():
+        out[name] = {}
+        for k in steps:
+            errs = [relative_error(fit_predictor(keys[s], values[s], start, steps=k, lr=lr), keys[s], values[s])
+                    for s in range(keys.shape[0])]
+            out[name][str(k)] = sum(errs) / len(errs)
+    return out
+
+
+def learn_starts(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, config: LowRAMConfig | None = None, *,
+                 warm_steps: int = 25, meta_steps: int = 50, inner_steps: int = 2, accumulate: int = 8,
+                 outer_lr: float = 3e-4, eval_steps: tuple[int, ...] = (0, 2), seed: int = 0,
+                 backbone: str = "", progress: bool = True) -> PredictorStarts:
+    """The warm start and the meta-init for `model` from training contexts train_ids [S, T], with the
+    online fit's error from each start (and from Slim's) measured on held-out contexts [S', T]."""
+    config = config or LowRAMConfig()
+    say = (lambda msg: print(f"[lowram-init] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    t0 = time.perf_counter()
+    keys, values = capture_pairs(model, train_ids, config)
+    hk, hv = capture_pairs(model, heldout_ids, config)
+    say(f"captured {train_ids.shape[0]} training and {heldout_ids.shape[0]} held-out contexts of "
+        f"{train_ids.shape[1]} tokens ({time.perf_counter() - t0:.0f} s)")
+    slim = slim_starts(model, config, torch.Generator().manual_seed(seed))
+    t1 = time.perf_counter()
+    warm = warm_start(keys, values, slim, steps=warm_steps, lr=config.lr)
+    say(f"warm start: {warm_steps} steps on the pooled contexts ({time.perf_counter() - t1:.0f} s)")
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=meta_steps, desc="meta-init (FOMAML)", unit="step", disable=not progress, file=sys.stderr)
+    losses: list[float] = []
+
+    def on_step(step: int, loss: float) -> None:
+        losses.append(loss)
+        bar.update(1)
+        bar.set_postfix(adapted_loss=f"{loss:.4g}")
+
+    t2 = time.perf_counter()
+    meta = meta_train(keys, values, warm, outer_steps=meta_steps, inner_steps=inner_steps, inner_lr=config.lr,
+                      outer_lr=outer_lr, accumulate=accumulate, seed=seed, on_step=on_step)
+    bar.close()
+    meta_s = time.perf_counter() - t2
+    errors = heldout_errors({"slim": slim, "warm": warm, "meta": meta}, hk, hv, sorted(set(eval_steps) | {inner_steps}),
+                            config.lr)
+    say("held-out relative value error after k online steps: " +
+        "; ".join(f"{name} " + ", ".join(f"k={k}: {e:.4f}" for k, e in errs.items()) for name, errs in errors.items()))
+    n_layers, H, _ = model_shape(model.config)
+
+    def per_layer(p: Predictor) -> list[Predictor]:
+        return [Predictor(*(t[i * H:(i + 1) * H].clone() for t in p)) for i in range(n_layers)]
+
+    info: dict[str, Any] = {
+        "backbone": backbone, "fingerprint": fingerprint(model.config), "kv_digest": kv_digest(model),
+        "lowram_config": {"ratio": config.ratio, "layer_group": config.layer_group, "key_bits": config.key_bits,
+                          "hidden_factor": config.hidden_factor, "lr": config.lr},
+        "contexts": {"train": train_ids.shape[0], "heldout": heldout_ids.shape[0], "tokens": train_ids.shape[1]},
+        "warm_steps": warm_steps, "meta": {"outer_steps": meta_steps, "inner_steps": inner_steps, "inner_lr": config.lr,
+                                           "outer_lr": outer_lr, "accumulate": accumulate, "adapted_loss": losses},
+        "heldout_relative_error": errors, "seconds": {"total": time.perf_counter() - t0, "meta": meta_s}, "seed": seed,
+    }
+    return PredictorStarts({"warm": per_layer(warm), "meta": per_layer(meta)}, info)

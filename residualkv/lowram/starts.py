@@ -1,0 +1,114 @@
+"""Saved starts for LowRAM's value predictors, learnt once per backbone (seed 003, step four and the
+meta-init); `meta.py` learns them, the cache reads them.
+
+A folder holds `starts.safetensors` (per kind and layer: W1, b1, W2, b2, W_lin stacked over the KV heads,
+float32) and `starts.json` (backbone, fingerprint, how they were learnt and what they did on held-out
+contexts). It is written atomically. The predictors map one model's keys to its values through its K/V
+projections, so a start is tied to those weights by a digest and refused on any other model, even one
+of the same shape (a fine-tune).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..codec import sha256_file
+from ..config import ConfigError
+from ..paths import data_dir, write_dir_atomically
+from .values import Predictor
+
+KINDS = ("warm", "meta")
+WEIGHTS, META = "starts.safetensors", "starts.json"
+FORMAT_VERSION = 1
+
+
+def kv_digest(model) -> str:
+    """sha256 over every layer's K and V projection weights and biases: what a start depends on."""
+    h = hashlib.sha256()
+    for layer in getattr(model, "model", model).layers:
+        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            for t in (proj.weight, proj.bias):
+                if t is not None:
+                    t = t.detach().float().contiguous().cpu()
+                    h.update(f"{tuple(t.shape)}".encode())
+                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def starts_root() -> Path:
+    return data_dir() / "lowram"
+
+
+@dataclass
+class PredictorStarts:
+    layers: dict[str, list[Predictor]]  # kind -> one Predictor [H, ...] per layer
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, kind: str, layer: int) -> Predictor:
+        if kind not in self.layers:
+            raise ConfigError(f"invalid start={kind!r}: {self.meta.get('path', 'these starts')} holds "
+                              f"{sorted(self.layers)}")
+        return self.layers[kind][layer]
+
+    def save(self, directory: str | Path) -> Path:
+        def write(tmp: Path) -> None:
+            tensors = {f"{kind}.{i}.{name}": t.detach().float().contiguous().cpu()
+                       for kind, preds in self.layers.items() for i, p in enumerate(preds)
+                       for name, t in zip(Predictor._fields, p)}
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "residualkv-lowram-starts"})
+            meta = {k: v for k, v in self.meta.items() if k != "path"}
+            meta |= {"format_version": FORMAT_VERSION, "kinds": sorted(self.layers),
+                     "n_layers": len(next(iter(self.layers.values()))), "weights_sha256": sha256_file(tmp / WEIGHTS)}
+            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+        return write_dir_atomically(directory, write)
+
+    @classmethod
+    def load(cls, directory: str | Path, model=None) -> "PredictorStarts":
+        directory = Path(directory)
+        if not (directory / META).is_file() or not (directory / WEIGHTS).is_file():
+            raise ConfigError(f"invalid starts_path={str(directory)!r}: expected {META} and {WEIGHTS} inside it "
+                              "(written by `rkv lowram-init`)")
+        meta = json.loads((directory / META).read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ConfigError(f"{directory}: starts format_version {meta.get('format_version')} is not "
+                              f"{FORMAT_VERSION}; rerun `rkv lowram-init`")
+        if sha256_file(directory / WEIGHTS) != meta.get("weights_sha256"):
+            raise ConfigError(f"{directory}/{WEIGHTS} does not match the sha256 recorded when it was saved; "
+                              "rerun `rkv lowram-init`")
+        if model is not None and meta.get("kv_digest") != kv_digest(model):
+            raise ConfigError(f"invalid starts_path={str(directory)!r}: its predictors were learnt on "
+                              f"{meta.get('backbone') or 'another model'}'s K/V projections, not this model's; run "
+                              "`rkv lowram-init --backbone ...` for this model")
+        flat = load_file(str(directory / WEIGHTS))
+        layers = {kind: [Predictor(*(flat[f"{kind}.{i}.{name}"] for name in Predictor._fields))
+                         for i in range(meta["n_layers"])] for kind in meta["kinds"]}
+        return cls(layers, meta | {"path": str(directory)})
+
+    @classmethod
+    def resolve(cls, path: str | None, model) -> "PredictorStarts":
+        """`path`, else the newest starts saved under the data directory for this model's K/V weights."""
+        if path is not None:
+            return cls.load(path, model)
+        digest, root = kv_digest(model), starts_root()
+        found = []
+        for meta_file in root.glob(f"**/{META}") if root.is_dir() else []:
+            parts = meta_file.parent.relative_to(root).parts
+            if any(p.startswith(".") or p.endswith(".old") for p in parts):
+                continue  # a save in progress or the folder it is replacing
+            try:
+                if json.loads(meta_file.read_text()).get("kv_digest") == digest:
+                    found.append(meta_file)
+            except (OSError, json.JSONDecodeError):
+                continue  # not a complete starts folder: never read
+        if not found:
+            raise ConfigError("start='warm' or 'meta' needs predictor starts learnt on this model: run "
+                              "`rkv lowram-init --backbone NAME` once (minutes on CPU), or pass starts_path=FOLDER")
+        return cls.load(max(found, key=lambda p: p.stat().st_mtime).parent, model)
