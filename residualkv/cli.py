@@ -181,12 +181,16 @@ def cmd_lowram_init(args) -> int:
     pick = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed))[:args.contexts].sort().values
     train_ids = torch.tensor(packed.train.select(pick.tolist())["input_ids"])
     heldout_ids = torch.tensor(packed.heldout.select(range(args.heldout))["input_ids"])
+    out = Path(args.out) if args.out else starts_root() / name / (
+        f"L{args.seq_len}-n{args.contexts}-r{args.ratio:g}-w{args.warm_steps}-m{args.meta_steps}-k{args.inner_steps}-s{args.seed}")
+    # rerunning the same command after a crash continues from here
+    checkpoint = out.with_name(f".{out.name}.checkpoint.pt")
     starts = learn_starts(model, train_ids, heldout_ids, LowRAMConfig(ratio=args.ratio), warm_steps=args.warm_steps,
                           meta_steps=args.meta_steps, inner_steps=args.inner_steps, accumulate=args.accumulate,
-                          outer_lr=args.outer_lr, eval_steps=tuple(args.eval_steps), seed=args.seed, backbone=name)
-    out = Path(args.out) if args.out else starts_root() / name / (
-        f"L{args.seq_len}-n{args.contexts}-w{args.warm_steps}-m{args.meta_steps}-k{args.inner_steps}-s{args.seed}")
+                          outer_lr=args.outer_lr, eval_steps=tuple(args.eval_steps), seed=args.seed, backbone=name,
+                          checkpoint=checkpoint)
     starts.save(out)
+    checkpoint.unlink(missing_ok=True)
     summary = {"path": str(out), **{k: starts.meta[k] for k in ("heldout_relative_error", "seconds")}}
     print(json.dumps(summary, indent=2) if args.json else
           f"[rkv lowram-init] saved {out}; methods lowram-meta and lowram-q-meta now start from it")

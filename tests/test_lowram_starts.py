@@ -128,6 +128,39 @@ def test_starts_are_found_for_their_model_and_refused_for_another(model, starts,
     assert meta["kinds"] == ["meta", "warm"]
 
 
+def test_an_interrupted_run_resumes_from_its_checkpoint(model, tmp_path, monkeypatch):
+    import residualkv.lowram.meta as meta
+
+    args = (model, _ids(4, 128), _ids(1, 128, seed=1), LowRAMConfig(layer_group=2))
+    kw = dict(warm_steps=5, meta_steps=12, accumulate=2, eval_steps=(0,), progress=False, checkpoint_every=5)
+    whole = learn_starts(*args, **kw)
+    calls, real_fit = [], meta.fit_predictor
+
+    def crashing_fit(*a, **k):  # one call for the warm start, then `accumulate` per outer step
+        calls.append(1)
+        if len(calls) == 1 + 2 * 7 + 1:
+            raise KeyboardInterrupt("killed during outer step 8")
+        return real_fit(*a, **k)
+
+    ckpt = tmp_path / "ck.pt"
+    monkeypatch.setattr(meta, "fit_predictor", crashing_fit)
+    with pytest.raises(KeyboardInterrupt):
+        learn_starts(*args, checkpoint=ckpt, **kw)
+    assert torch.load(ckpt, weights_only=True)["meta"]["step"] == 5
+    calls.clear()
+    monkeypatch.setattr(meta, "fit_predictor", lambda *a, **k: (calls.append(1), real_fit(*a, **k))[1])
+    resumed = learn_starts(*args, checkpoint=ckpt, **kw)
+    # steps 6-12, then the held-out fits from slim, warm and meta at 0 and inner_steps online steps
+    assert len(calls) == 2 * (12 - 5) + 3 * 2
+    for kind in ("warm", "meta"):
+        for a, b in zip(whole.layers[kind], resumed.layers[kind]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert resumed.meta["meta"]["adapted_loss"] == whole.meta["meta"]["adapted_loss"]
+    # other settings do not pick up this checkpoint
+    other = learn_starts(*args, checkpoint=ckpt, **{**kw, "warm_steps": 6})
+    assert not torch.equal(other.layers["warm"][0].w2, whole.layers["warm"][0].w2)
+
+
 def test_start_settings_are_checked_by_name():
     with pytest.raises(ConfigError, match="start="):
         LowRAMConfig(start="fast")

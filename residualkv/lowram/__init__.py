@@ -1,7 +1,9 @@
 """LowRAM (seed 003): low-rank keys and amortised values, fitted to each context at prefill.
 
 keys.py (xKV cross-layer low rank), values.py (the test-time value predictor and its residuals),
-cache.py (the transformers Cache that stores and reads them). Configuration: residualkv.config.LowRAMConfig.
+cache.py (the transformers Cache that stores and reads them), starts.py (saved predictor starts learnt
+once per backbone) and meta.py (learning them: the warm start and the FOMAML meta-init, `rkv lowram-init`).
+Configuration: residualkv.config.LowRAMConfig.
 """
 
 from ..config import LowRAMConfig

@@ -14,8 +14,11 @@ its own start.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -76,14 +79,23 @@ def warm_start(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, st
 
 def meta_train(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, outer_steps: int, inner_steps: int = 2,
                inner_lr: float = 1e-3, outer_lr: float = 3e-4, accumulate: int = 8, seed: int = 0,
-               on_step: Callable[[int, float], None] | None = None) -> Predictor:
-    """FOMAML from `start` [L·H, ...] over contexts [S, L·H, T, D]; `on_step(step, mean adapted loss)`."""
+               resume: dict[str, Any] | None = None, on_step: Callable[[int, float, Callable[[], dict]], None] | None = None
+               ) -> Predictor:
+    """FOMAML from `start` [L·H, ...] over contexts [S, L·H, T, D]. After each outer step
+    `on_step(step, mean adapted loss, state)` is called; `state()` is what `resume=` continues from."""
     phi = [t.detach().float().clone().requires_grad_(True) for t in start]
     # no weight decay: it would pull W_lin, the Slim map the start is built on, towards zero
     outer = torch.optim.AdamW(phi, lr=outer_lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(keys.shape[0], generator=gen).tolist()
-    for step in range(outer_steps):
+    first = 0
+    if resume is not None:
+        with torch.no_grad():
+            for p, saved in zip(phi, resume["phi"]):
+                p.copy_(saved)
+        outer.load_state_dict(resume["optimizer"])
+        first = resume["step"]
+    # the context order depends only on the seed, so a resumed run meets the contexts it would have met
+    order = torch.randperm(keys.shape[0], generator=torch.Generator().manual_seed(seed)).tolist()
+    for step in range(first, outer_steps):
         grads = [torch.zeros_like(p) for p in phi]
         total = 0.0
         for a in range(accumulate):
@@ -99,8 +111,35 @@ def meta_train(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, ou
             p.grad = g
         outer.step()
         if on_step is not None:
-            on_step(step + 1, total)
+            on_step(step + 1, total, lambda: {"step": step + 1, "phi": [p.detach().clone() for p in phi],
+                                               "optimizer": outer.state_dict()})
     return Predictor(*phi).to(torch.float32)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()
+
+
+def _save_checkpoint(path: str | Path | None, state: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # the previous checkpoint stays whole until this one is
+
+
+def _load_checkpoint(path: str | Path | None, settings: dict[str, Any], say) -> dict[str, Any] | None:
+    if path is None or not Path(path).is_file():
+        return None
+    state = torch.load(path, weights_only=True)
+    if state["settings"] != settings:
+        say(f"{path} was written with other settings or data: starting afresh")
+        return None
+    done = state["meta"]["step"] if state["meta"] else 0
+    say(f"resuming from {path}: warm start done, meta-init at step {done}")
+    return state
 
 
 @torch.no_grad()
@@ -125,11 +164,19 @@ def heldout_errors(starts: dict[str, Predictor], keys: torch.Tensor, values: tor
 def learn_starts(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, config: LowRAMConfig | None = None, *,
                  warm_steps: int = 25, meta_steps: int = 50, inner_steps: int = 2, accumulate: int = 8,
                  outer_lr: float = 3e-4, eval_steps: tuple[int, ...] = (0, 2), seed: int = 0,
-                 backbone: str = "", progress: bool = True) -> PredictorStarts:
+                 backbone: str = "", progress: bool = True, checkpoint: str | Path | None = None,
+                 checkpoint_every: int = 5) -> PredictorStarts:
     """The warm start and the meta-init for `model` from training contexts train_ids [S, T], with the
-    online fit's error from each start (and from Slim's) measured on held-out contexts [S', T]."""
+    online fit's error from each start (and from Slim's) measured on held-out contexts [S', T].
+
+    With `checkpoint` (a file), the warm start and every `checkpoint_every` outer steps are saved there,
+    and a rerun with the same inputs continues from them (a crash costs the pairs' capture and at most
+    `checkpoint_every` steps); the caller removes the file once the starts are saved."""
     config = config or LowRAMConfig()
     say = (lambda msg: print(f"[lowram-init] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    settings = {"train": _digest(train_ids), "warm_steps": warm_steps, "inner_steps": inner_steps, "accumulate": accumulate,
+                "outer_lr": outer_lr, "seed": seed, "kv_digest": kv_digest(model), "config": repr(config)}
+    saved = _load_checkpoint(checkpoint, settings, say)
     t0 = time.perf_counter()
     keys, values = capture_pairs(model, train_ids, config)
     hk, hv = capture_pairs(model, heldout_ids, config)
@@ -137,22 +184,31 @@ def learn_starts(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, conf
         f"{train_ids.shape[1]} tokens ({time.perf_counter() - t0:.0f} s)")
     slim = slim_starts(model, config, torch.Generator().manual_seed(seed))
     t1 = time.perf_counter()
-    warm = warm_start(keys, values, slim, steps=warm_steps, lr=config.lr)
-    say(f"warm start: {warm_steps} steps on the pooled contexts ({time.perf_counter() - t1:.0f} s)")
+    if saved is not None:
+        warm = Predictor(*saved["warm"])
+    else:
+        warm = warm_start(keys, values, slim, steps=warm_steps, lr=config.lr)
+        say(f"warm start: {warm_steps} steps on the pooled contexts ({time.perf_counter() - t1:.0f} s)")
+        saved = {"settings": settings, "warm": list(warm), "meta": None, "losses": []}
+        _save_checkpoint(checkpoint, saved)
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=meta_steps, desc="meta-init (FOMAML)", unit="step", disable=not progress, file=sys.stderr)
-    losses: list[float] = []
+    resume = saved["meta"]
+    losses: list[float] = list(saved["losses"])
+    bar = tqdm(total=meta_steps, initial=resume["step"] if resume else 0, desc="meta-init (FOMAML)", unit="step",
+               disable=not progress, file=sys.stderr)
 
-    def on_step(step: int, loss: float) -> None:
+    def on_step(step: int, loss: float, state: Callable[[], dict]) -> None:
         losses.append(loss)
         bar.update(1)
         bar.set_postfix(adapted_loss=f"{loss:.4g}")
+        if step % checkpoint_every == 0 or step == meta_steps:
+            _save_checkpoint(checkpoint, saved | {"meta": state(), "losses": losses})
 
     t2 = time.perf_counter()
     meta = meta_train(keys, values, warm, outer_steps=meta_steps, inner_steps=inner_steps, inner_lr=config.lr,
-                      outer_lr=outer_lr, accumulate=accumulate, seed=seed, on_step=on_step)
+                      outer_lr=outer_lr, accumulate=accumulate, seed=seed, resume=resume, on_step=on_step)
     bar.close()
     meta_s = time.perf_counter() - t2
     errors = heldout_errors({"slim": slim, "warm": warm, "meta": meta}, hk, hv, sorted(set(eval_steps) | {inner_steps}),
