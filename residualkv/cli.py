@@ -172,10 +172,10 @@ def cmd_lowram_init(args) -> int:
         torch.set_num_threads(args.threads)
     model, tok, spec = load_backbone(args.backbone)
     name = spec.name if spec else Path(str(args.backbone)).name
-    packed = pack_documents(resolve_source("offline"), tok, args.seq_len)
+    packed = pack_documents(resolve_source(args.data, text_field=args.text_field), tok, args.seq_len)
     n_train, n_held = len(packed.train), len(packed.heldout)
     if n_train < args.contexts or n_held < args.heldout:
-        raise SystemExit(f"the offline corpus packs {n_train} training and {n_held} held-out blocks of {args.seq_len} "
+        raise SystemExit(f"{args.data} packs {n_train} training and {n_held} held-out blocks of {args.seq_len} "
                          f"tokens; ask for fewer --contexts / --heldout or a shorter --seq-len")
     # contexts drawn across the whole training split, not the first few documents
     pick = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed))[:args.contexts].sort().values
@@ -229,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     li = sub.add_parser("lowram-init", help="learn LowRAM's predictor starts for a backbone (warm start + FOMAML "
                         "meta-init), so a context fits in 2 steps (methods lowram-meta, lowram-q-meta)")
     li.add_argument("--backbone", default="smollm2-135m")
-    li.add_argument("--contexts", type=int, default=16, help="training contexts (blocks of the offline corpus)")
+    li.add_argument("--data", default="offline", help="'offline' (default), a folder/file of .txt/.jsonl, or a datasets name")
+    li.add_argument("--text-field", default="text", help="text column of JSONL rows / hub datasets")
+    li.add_argument("--contexts", type=int, default=16, help="training contexts (blocks of the training split)")
     li.add_argument("--heldout", type=int, default=4, help="held-out contexts the fit errors are measured on")
     li.add_argument("--seq-len", type=int, default=2048, help="tokens per context")
     li.add_argument("--ratio", type=float, default=4.0, help="LowRAM ratio whose xKV keys the predictors read")

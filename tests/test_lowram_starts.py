@@ -1,6 +1,7 @@
 """LowRAM's learnt predictor starts (seed 003): the warm start, the FOMAML meta-init, their folder."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +160,29 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(model, tmp_path, monkeyp
     # other settings do not pick up this checkpoint
     other = learn_starts(*args, checkpoint=ckpt, **{**kw, "warm_steps": 6})
     assert not torch.equal(other.layers["warm"][0].w2, whole.layers["warm"][0].w2)
+
+
+def test_rkv_lowram_init_saves_starts_that_the_methods_find(tmp_path, monkeypatch, capsys):
+    from residualkv import cli
+    from residualkv.backbones import load_backbone
+
+    from .test_training import _cli_backbone_and_corpus
+
+    folder, corpus = _cli_backbone_and_corpus(tmp_path, monkeypatch)
+    argv = ["lowram-init", "--backbone", str(folder), "--data", str(corpus), "--seq-len", "64", "--contexts", "4",
+            "--heldout", "1", "--warm-steps", "3", "--meta-steps", "4", "--accumulate", "2", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    path = Path(out["path"])
+    assert path.parent == tmp_path / "rkv-data" / "lowram" / "tiny-llama" and set(out["heldout_relative_error"]) == {
+        "slim", "warm", "meta"}
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # the checkpoint is gone once saved
+    model = load_backbone(folder)[0]
+    cache = build_cache("lowram-meta", model)
+    saved = PredictorStarts.load(path)
+    assert all(torch.equal(a, b) for a, b in zip(cache.starts[1], saved.layers["meta"][1]))
+    with pytest.raises(SystemExit, match="ask for fewer --contexts"):
+        cli.main([*argv, "--contexts", "10000"])
 
 
 def test_start_settings_are_checked_by_name():
