@@ -96,6 +96,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training", False, _lowram()),
     Method("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",
            False, _lowram(ratio=5.0, key_bits=4, residual_bits=2)),
+    Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
+           "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
+           _lowram(start="warm")),
     Method("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "
            "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2)),
     Method("lowram-q-meta", "LowRAM-Q at 5x fitted in 2 Adam steps from the meta-learned start",

@@ -112,6 +112,7 @@ def test_starts_are_found_for_their_model_and_refused_for_another(model, starts,
     (hidden / META).write_text((folder / META).read_text())
     cache = build_cache("lowram-meta", model)
     assert (cache.config.start, cache.config.fit_steps) == ("meta", 2)
+    assert build_cache("lowram-warm", model).config.start == "warm"
     q = build_cache("lowram-q-meta", model)
     assert (q.config.ratio, q.config.key_bits, q.config.residual_bits, q.config.start) == (5.0, 4, 2, "meta")
 
