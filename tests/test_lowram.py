@@ -100,6 +100,11 @@ def test_fitting_beats_its_linear_start_and_heads_are_independent():
     alone = fit_predictor(keys[:1], values[:1], Predictor(*(t[:1] for t in slim)), steps=20, lr=1e-3)
     both = fit_predictor(keys, values, slim, steps=20, lr=1e-3)
     assert torch.allclose(alone(keys[:1]), both(keys)[:1], atol=1e-5)  # head 0 does not see head 1
+    seen = {}
+    fit_predictor(keys, values, slim, steps=20, lr=1e-3, on_step=lambda k, f: seen.setdefault(k, [t.detach().clone() for t in f]))
+    assert sorted(seen) == list(range(1, 21))  # each step of one trajectory is the fit of that many steps
+    assert all(torch.equal(a, b) for a, b in zip(seen[20], both))
+    assert all(torch.equal(a, b) for a, b in zip(seen[5], fit_predictor(keys, values, slim, steps=5, lr=1e-3)))
 
 
 def test_worst_predicted_marks_the_largest_errors():

@@ -10,7 +10,7 @@ tokens f predicts worst keep their residual v - f(k); the dense values are dropp
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -59,11 +59,13 @@ def slim_start(w_lin: torch.Tensor, b2: torch.Tensor, hidden: int, generator: to
     return Predictor(w1, w_lin.new_zeros(H, 1, hidden), w_lin.new_zeros(H, hidden, D), b2, w_lin)
 
 
-def fit_predictor(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, steps: int, lr: float) -> Predictor:
+def fit_predictor(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *, steps: int, lr: float,
+                  on_step: Callable[[int, Predictor], None] | None = None) -> Predictor:
     """Fit f on keys, values [N = rows·H, T, D] (float32, row-major over rows then heads) from `start`
     [H, ...] (one per head, repeated over the rows: a row's fit does not depend on the rows batched with
     it) with `steps` full-batch Adam steps on the mean squared error of each (row, head), summed over them
-    so each one's gradient is its own."""
+    so each one's gradient is its own. `on_step(k, f)` sees the predictor after step k, i.e. the fit of k
+    steps (one trajectory serves every shorter budget); f's tensors are the live parameters: copy to keep."""
     reps = keys.shape[0] // start.w1.shape[0]
     params = [t.detach().float().repeat(reps, 1, 1).to(keys.device) for t in start]
     if steps == 0:
@@ -73,10 +75,13 @@ def fit_predictor(keys: torch.Tensor, values: torch.Tensor, start: Predictor, *,
             p.requires_grad_(True)
         opt = torch.optim.Adam(params, lr=lr)
         f = Predictor(*params)
-        for _ in range(steps):
+        for k in range(1, steps + 1):
             opt.zero_grad(set_to_none=True)
             fit_loss(f, keys, values).backward()
             opt.step()
+            if on_step is not None:
+                with torch.no_grad():
+                    on_step(k, f)
     return Predictor(*params).to(torch.float32)
 
 
