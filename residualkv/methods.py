@@ -25,6 +25,7 @@ class Method:
     needs_codec: bool
     build: Callable[..., Any]  # (model, codec, base_config) -> Cache
     overrides: dict[str, Any] = field(default_factory=dict)
+    learnt_starts: bool = False  # reads `rkv lowram-init`'s saved starts: run only when named
 
 
 def _full(model, codec, base):
@@ -68,8 +69,10 @@ def _snapkv(ratio: float):
 
 
 def _lowram(**fields):
-    def build(model, codec, base):
-        return LowRAMCache.from_model(model, LowRAMConfig(**fields))
+    def build(model, codec, base, changes=None):
+        # LowRAM has its own config: the caller's changes are LowRAMConfig fields (e.g. fit_steps)
+        return LowRAMCache.from_model(model, LowRAMConfig(**fields).replace(**(changes or {})))
+    build.takes_changes = "lowram"
     return build
 
 
@@ -98,11 +101,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            False, _lowram(ratio=5.0, key_bits=4, residual_bits=2)),
     Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
            "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
-           _lowram(start="warm")),
+           _lowram(start="warm"), learnt_starts=True),
     Method("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "
-           "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2)),
+           "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2), learnt_starts=True),
     Method("lowram-q-meta", "LowRAM-Q at 5x fitted in 2 Adam steps from the meta-learned start",
-           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2)),
+           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2), learnt_starts=True),
 ]}
 
 
@@ -129,6 +132,8 @@ def build_cache(name: str, model, codec: ResidualCodec | None = None, base: Resi
         base = codec.config if codec is not None else ResidualKVConfig()
     if not changes:
         return method.build(model, codec, base)
+    if getattr(method.build, "takes_changes", False) == "lowram":
+        return method.build(model, codec, base, changes)
     if "mode" in changes:
         raise ValueError("the deployment mode comes with the method name (residualkv = + OmniKV, residualkv-standalone, "
                          "residualkv-snapkv, omnikv); do not pass mode=")

@@ -445,11 +445,17 @@ def test_full_rel_score_is_one_when_full_scores(tmp_path, tiny_lm, tok):
     assert rows[0]["ppl"] is None
 
 
-def test_every_registered_method_runs_through_the_harness(tiny_lm, tok):
+def test_every_registered_method_runs_through_the_harness(tiny_lm, tok, tmp_path, monkeypatch):
     from residualkv.codec import ResidualCodec
-    from residualkv.config import ResidualKVConfig
+    from residualkv.config import ResidualKVConfig, LowRAMConfig
+    from residualkv.lowram.meta import learn_starts
     from residualkv.methods import METHODS
 
+    # the lowram-warm / -meta methods read starts learnt for this model from the data dir
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path))
+    ids = torch.randint(0, 100, (3, 48), generator=torch.Generator().manual_seed(0))
+    learn_starts(tiny_lm, ids[:2], ids[2:], LowRAMConfig(), warm_steps=2, meta_steps=2, accumulate=2,
+                 progress=False).save(tmp_path / "lowram" / "tiny" / "run")
     base = ResidualKVConfig(full_attention_layers=(0,))
     codec = ResidualCodec.for_model(tiny_lm.config, base, d_c=32, d_ff=64)
     samples = [Sample(id="s", task="t", context="The code is 777. " + "Filler. " * 40, question="Code?",

@@ -217,6 +217,12 @@ def test_registered_methods_build_lowram_caches(model):
     assert isinstance(c, LowRAMCache) and c.config.ratio == 4.0 and c.config.key_bits is None
     q = build_cache("lowram-q", model)
     assert (q.config.ratio, q.config.key_bits, q.config.residual_bits) == (5.0, 4, 2)
+    from residualkv.evaluation.harness import build_method_cache, known_method
+
+    f = build_method_cache("lowram-q-f7", model)  # -fNN: the fit's step count, the method's other settings kept
+    assert (f.config.fit_steps, f.config.ratio, f.config.residual_bits) == (7, 5.0, 2)
+    assert known_method("lowram-meta-f10") and not known_method("residualkv-standalone-f10")
+    assert not known_method("lowram-r10") and not known_method("lowram-w32-f10")
 
 
 def test_group_size_that_cannot_split_a_head_is_refused():

@@ -186,6 +186,17 @@ def test_rkv_lowram_init_saves_starts_that_the_methods_find(tmp_path, monkeypatc
         cli.main([*argv, "--contexts", "10000"])
 
 
+def test_eval_leaves_them_out_by_default_and_fails_fast_without_starts(model, tmp_path, monkeypatch):
+    from residualkv.evaluation.cli import default_methods
+    from residualkv.evaluation.harness import evaluate
+
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path))
+    default = default_methods().split(",")
+    assert "lowram" in default and not {"lowram-warm", "lowram-meta", "lowram-q-meta"} & set(default)
+    with pytest.raises(ConfigError, match="rkv lowram-init"):  # before any sample runs (no tokenizer needed)
+        evaluate(model, None, ["full", "lowram-meta-f5"], samples=[], context_len=None, progress=False)
+
+
 def test_start_settings_are_checked_by_name():
     with pytest.raises(ConfigError, match="start="):
         LowRAMConfig(start="fast")

@@ -19,10 +19,11 @@ from pathlib import Path
 
 
 def default_methods() -> str:
-    """Every registered method, plus the SnapKV baseline when the registry does not list it yet."""
+    """Every registered method but those that need `rkv lowram-init` first, plus the SnapKV baseline when
+    the registry does not list it yet."""
     from ..methods import METHODS
 
-    names = list(METHODS)
+    names = [name for name, m in METHODS.items() if not m.learnt_starts]
     return ",".join(names + ([] if "snapkv" in names else ["snapkv"]))
 
 
@@ -45,7 +46,8 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("--backbone", default="smollm2-135m", help="registered name, backbone YAML, local folder or HF id")
     e.add_argument("--methods", default=None,
-                   help="comma list of methods (default: every registered method and snapkv); 'full' is always run "
+                   help="comma list of methods (default: every registered method and snapkv, but the lowram ones that "
+                        "read `rkv lowram-init`'s starts); 'full' is always run "
                         "as the reference; " + VARIANTS_HELP.replace("%", "%%"))
     e.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     src = e.add_mutually_exclusive_group()

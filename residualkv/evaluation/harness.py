@@ -51,16 +51,18 @@ from .stats import mean_difference, rel_score_interval
 
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix, as VARIANTS_HELP tells the CLIs' users: -rNN (select_ratio), then on
-# ResidualKV methods only -wNN, -gNN, -sNN (the _CODEC_SUFFIXES' config fields), in this order
+# ResidualKV methods only -wNN, -gNN, -sNN (the _CODEC_SUFFIXES' config fields), in this order; on LowRAM
+# methods -fNN (fit_steps)
 _VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?"
-                      r"(?:-s(?P<stride>\d+))?$")
+                      r"(?:-s(?P<stride>\d+))?(?:-f(?P<fit>\d+))?$")
 _CODEC_SUFFIXES = {"window": "recent_window", "group": "group_size", "stride": "stride"}
 # what the CLIs print about the names above (argparse help: escape the % signs)
 VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN select NN% of the history per "
                  "decode step; residualkv-snapkv-rNN keeps NN% of the prompt on the compressed layers; on a "
                  "residualkv method, then, -wNN holds the newest NN tokens of its compressed layers in FP16, -gNN "
                  "quantises its latents in groups of NN, -sNN places a reference every NN tokens "
-                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10)")
+                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10); on a lowram "
+                 "method -fNN fits each context in NN Adam steps (lowram-warm-f25)")
 _RATIO_BASES = ("residualkv", "omnikv", "residualkv-snapkv")
 
 
@@ -74,21 +76,30 @@ def _snapkv_ratio(name: str) -> float | None:
 def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
     """A suffixed variant -> (registered method, config changes); None when `name` is not one."""
     m = _VARIANT.match(name)
-    if not m or all(m[g] is None for g in ("ratio", *_CODEC_SUFFIXES)):
+    if not m or all(m[g] is None for g in ("ratio", "fit", *_CODEC_SUFFIXES)):
         return None
     base, changes = m["base"], {}
+    if m["fit"] is not None:
+        if not base.startswith("lowram") or base not in _methods() or any(m[g] for g in ("ratio", *_CODEC_SUFFIXES)):
+            return None
+        return base, {"fit_steps": int(m["fit"])}
     if m["ratio"] is not None:
         if base not in _RATIO_BASES or not 0 < int(m["ratio"]) <= 100:
             return None
         changes["select_ratio"] = int(m["ratio"]) / 100
     codec_changes = {field: int(m[g]) for g, field in _CODEC_SUFFIXES.items() if m[g] is not None}
     if codec_changes:
-        from ..methods import METHODS
-
+        METHODS = _methods()
         if base not in METHODS or not METHODS[base].needs_codec:  # the codec methods are the ResidualKV ones
             return None
         changes.update(codec_changes)
     return base, changes
+
+
+def _methods():
+    from ..methods import METHODS
+
+    return METHODS
 
 
 def known_method(name: str) -> bool:
@@ -285,6 +296,8 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
         if not known_method(m):
             method_needs_codec(m)  # raises with the list of known methods
     methods = [REFERENCE] + [m for m in methods if m != REFERENCE]  # the reference runs first, always
+    for m in methods:  # a method that cannot be built (no codec, no learnt starts) fails now, not hours in
+        build_method_cache(m, model, codec, base_config)
     lengths: list[int | None] = list(context_len) if isinstance(context_len, (list, tuple)) else [context_len]
     stop = eos_ids(model, tokenizer)
 
