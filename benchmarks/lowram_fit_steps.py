@@ -35,6 +35,27 @@ def stacked(per_layer: list[Predictor]) -> Predictor:
     return Predictor(*(torch.cat(ts) for ts in zip(*per_layer)))
 
 
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, errs in result["relative_value_error"].items():
+        steps = [int(k) for k in errs]
+        ax.plot([max(k, 0.5) for k in steps], list(errs.values()), marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("online Adam steps (0 plotted at 0.5)")
+    ax.set_ylabel("relative value error |f(k) - v|² / |v|²")
+    ax.set_title(f"LowRAM's value fit by start: {result['backbone']}, {result['heldout_contexts']} held-out × "
+                 f"{result['tokens']} tokens", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backbone", default="smollm2-135m")
@@ -44,7 +65,11 @@ def main() -> int:
     ap.add_argument("--steps", default="0,1,2,5,10,25,50,100,150")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/lowram/fit_steps.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot of an existing --out")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = [int(s) for s in args.steps.split(",")]
@@ -72,22 +97,7 @@ def main() -> int:
         print(f"{name:5s}  " + "  ".join(f"{errs[str(k)]:6.3f}" for k in steps))
     print(f"one step of all layers' fits: {s_per_step:.3f} s ({torch.get_num_threads()} threads)")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, errs in errors.items():
-        ax.plot([max(k, 0.5) for k in steps], [errs[str(k)] for k in steps], marker="o", label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("online Adam steps (0 plotted at 0.5)")
-    ax.set_ylabel("relative value error |f(k) - v|² / |v|²")
-    ax.set_title(f"LowRAM value fit from each start ({args.backbone}, {args.heldout}×{args.seq_len} held-out)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
