@@ -158,9 +158,13 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(model, tmp_path, monkeyp
         for a, b in zip(whole.layers[kind], resumed.layers[kind]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert resumed.meta["meta"]["adapted_loss"] == whole.meta["meta"]["adapted_loss"]
-    # other settings do not pick up this checkpoint
+    # other settings do not pick up this checkpoint, nor does a run asking for fewer outer steps than it holds
     other = learn_starts(*args, checkpoint=ckpt, **{**kw, "warm_steps": 6})
     assert not torch.equal(other.layers["warm"][0].w2, whole.layers["warm"][0].w2)
+    resumed_12 = torch.load(ckpt, weights_only=True)
+    assert resumed_12["meta"]["step"] == 12 and resumed_12["settings"]["warm_steps"] == 6
+    shorter = learn_starts(*args, checkpoint=ckpt, **{**kw, "warm_steps": 6, "meta_steps": 4})
+    assert len(shorter.meta["meta"]["adapted_loss"]) == 4
 
 
 def test_rkv_lowram_init_saves_starts_that_the_methods_find(tmp_path, monkeypatch, capsys):

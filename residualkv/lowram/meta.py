@@ -130,14 +130,16 @@ def _save_checkpoint(path: str | Path | None, state: dict[str, Any]) -> None:
     os.replace(tmp, path)  # the previous checkpoint stays whole until this one is
 
 
-def _load_checkpoint(path: str | Path | None, settings: dict[str, Any], say) -> dict[str, Any] | None:
+def _load_checkpoint(path: str | Path | None, settings: dict[str, Any], meta_steps: int, say) -> dict[str, Any] | None:
+    """The checkpoint at `path` when it was written by the same settings, data and model; a run asking for
+    more outer steps than it has goes on from it, one asking for fewer starts afresh."""
     if path is None or not Path(path).is_file():
         return None
     state = torch.load(path, weights_only=True)
-    if state["settings"] != settings:
-        say(f"{path} was written with other settings or data: starting afresh")
-        return None
     done = state["meta"]["step"] if state["meta"] else 0
+    if state["settings"] != settings or done > meta_steps:
+        say(f"{path} was written with other settings, data or more outer steps: starting afresh")
+        return None
     say(f"resuming from {path}: warm start done, meta-init at step {done}")
     return state
 
@@ -181,7 +183,7 @@ def learn_starts(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, conf
     say = (lambda msg: print(f"[lowram-init] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     settings = {"train": _digest(train_ids), "warm_steps": warm_steps, "inner_steps": inner_steps, "accumulate": accumulate,
                 "outer_lr": outer_lr, "seed": seed, "kv_digest": kv_digest(model), "config": repr(config)}
-    saved = _load_checkpoint(checkpoint, settings, say)
+    saved = _load_checkpoint(checkpoint, settings, meta_steps, say)
     t0 = time.perf_counter()
     keys, values = capture_pairs(model, train_ids, config)
     hk, hv = capture_pairs(model, heldout_ids, config)
