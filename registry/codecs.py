@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from residualkv.codec import META, CodecError, ResidualCodec, sha256_file
+from residualkv.codec import META, CodecError, ResidualCodec
+from residualkv.saved import sha256_file
 
 from . import env
 from .store import client, experiment_id, retrying, store_lock

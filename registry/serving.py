@@ -20,7 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from residualkv.codec import META, WEIGHTS, CodecError, ResidualCodec, sha256_file
+from residualkv.codec import META, WEIGHTS, CodecError, ResidualCodec
+from residualkv.saved import sha256_file
 from residualkv.paths import data_dir
 
 from . import env

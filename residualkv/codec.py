@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import CodecDims, ResidualKVConfig
-from .paths import write_dir_atomically
+from .saved import read_folder, save_folder
 
 FORMAT_VERSION = 1
 WEIGHTS = "codec.safetensors"
@@ -141,31 +139,18 @@ class ResidualCodec(nn.Module):
 
     def save(self, directory: str | Path) -> Path:
         """Write weights and metadata atomically: a reader sees the old codec or the new one, never half."""
-        def write(tmp: Path) -> None:
-            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-            save_file(state, str(tmp / WEIGHTS), metadata={"format": "residualkv-codec"})
-            meta = self.meta() | {"weights_sha256": sha256_file(tmp / WEIGHTS)}
-            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-
-        return write_dir_atomically(directory, write)
+        return save_folder(directory, self.state_dict(), self.meta(), weights=WEIGHTS, meta_name=META,
+                           tag="residualkv-codec")
 
     @classmethod
     def load(cls, directory: str | Path, model_config=None) -> "ResidualCodec":
-        directory = Path(directory)
-        if not (directory / META).is_file() or not (directory / WEIGHTS).is_file():
-            raise CodecError(f"{directory} is not a saved codec: expected {META} and {WEIGHTS} inside it")
-        meta = json.loads((directory / META).read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise CodecError(f"{directory}: codec format_version {meta.get('format_version')} is not {FORMAT_VERSION}")
-        digest = sha256_file(directory / WEIGHTS)
-        if meta.get("weights_sha256") and digest != meta["weights_sha256"]:
-            raise CodecError(f"{directory}/{WEIGHTS} is corrupted: sha256 {digest[:12]}… does not match "
-                             f"{meta['weights_sha256'][:12]}… recorded at save time; re-download or re-train it")
+        meta, state = read_folder(directory, weights=WEIGHTS, meta_name=META, format_version=FORMAT_VERSION,
+                                  what="codec", fix="re-download or re-train it", error=CodecError)
         dims = CodecDims(**meta["dims"])
         codec = cls(dims, meta["layer_ids"], ResidualKVConfig.from_dict(meta["cache_config"]),
                     backbone=meta.get("backbone", ""), fingerprint=meta.get("fingerprint"), extra=meta.get("extra"),
                     layer_d_c={int(i): d for i, d in meta.get("layer_d_c", {}).items()})
-        codec.load_state_dict(load_file(str(directory / WEIGHTS)))
+        codec.load_state_dict(state)
         if model_config is not None:
             codec.check_compatible(model_config)
         return codec
@@ -242,11 +227,3 @@ def model_shape(model_config) -> tuple[int, int, int]:
     n_kv = getattr(model_config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
     return n_layers, n_kv, head_dim
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -43,24 +40,3 @@ def configs_dir() -> Path:
         )
     return root / "configs"
 
-
-def write_dir_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
-    """Build `directory` by `write(tmp)` in a hidden sibling, then swap it in: a reader sees the old
-    folder or the new one, never half of either (a crash leaves only the hidden sibling behind)."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; what is saved here is meant to be shared
-    try:
-        write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if directory.exists():
-        old = directory.with_name(directory.name + ".old")
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
-    return directory

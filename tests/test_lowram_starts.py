@@ -206,7 +206,7 @@ def test_start_settings_are_checked_by_name():
         LowRAMConfig(start="fast")
     with pytest.raises(ConfigError, match="starts_path"):
         LowRAMConfig(starts_path="/somewhere")
-    with pytest.raises(ConfigError, match="starts_path"):
+    with pytest.raises(ConfigError, match="not a saved LowRAM starts folder"):
         PredictorStarts.load("/nonexistent/folder")
 
 

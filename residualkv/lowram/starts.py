@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from ..codec import sha256_file
 from ..config import ConfigError
-from ..paths import data_dir, write_dir_atomically
+from ..paths import data_dir
+from ..saved import read_folder, save_folder
 from .values import Predictor
 
 KINDS = ("warm", "meta")
@@ -58,36 +57,20 @@ class PredictorStarts:
         return self.layers[kind][layer]
 
     def save(self, directory: str | Path) -> Path:
-        def write(tmp: Path) -> None:
-            tensors = {f"{kind}.{i}.{name}": t.detach().float().contiguous().cpu()
-                       for kind, preds in self.layers.items() for i, p in enumerate(preds)
-                       for name, t in zip(Predictor._fields, p)}
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "residualkv-lowram-starts"})
-            meta = {k: v for k, v in self.meta.items() if k != "path"}
-            meta |= {"format_version": FORMAT_VERSION, "kinds": sorted(self.layers),
-                     "n_layers": len(next(iter(self.layers.values()))), "weights_sha256": sha256_file(tmp / WEIGHTS)}
-            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-
-        return write_dir_atomically(directory, write)
+        tensors = {f"{kind}.{i}.{name}": t.float() for kind, preds in self.layers.items() for i, p in enumerate(preds)
+                   for name, t in zip(Predictor._fields, p)}
+        meta = {k: v for k, v in self.meta.items() if k != "path"}
+        meta |= {"format_version": FORMAT_VERSION, "kinds": sorted(self.layers), "n_layers": len(next(iter(self.layers.values())))}
+        return save_folder(directory, tensors, meta, weights=WEIGHTS, meta_name=META, tag="residualkv-lowram-starts")
 
     @classmethod
     def load(cls, directory: str | Path, model=None) -> "PredictorStarts":
-        directory = Path(directory)
-        if not (directory / META).is_file() or not (directory / WEIGHTS).is_file():
-            raise ConfigError(f"invalid starts_path={str(directory)!r}: expected {META} and {WEIGHTS} inside it "
-                              "(written by `rkv lowram-init`)")
-        meta = json.loads((directory / META).read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ConfigError(f"{directory}: starts format_version {meta.get('format_version')} is not "
-                              f"{FORMAT_VERSION}; rerun `rkv lowram-init`")
-        if sha256_file(directory / WEIGHTS) != meta.get("weights_sha256"):
-            raise ConfigError(f"{directory}/{WEIGHTS} does not match the sha256 recorded when it was saved; "
-                              "rerun `rkv lowram-init`")
+        meta, flat = read_folder(directory, weights=WEIGHTS, meta_name=META, format_version=FORMAT_VERSION,
+                                 what="LowRAM starts folder", fix="rerun `rkv lowram-init`", error=ConfigError)
         if model is not None and meta.get("kv_digest") != kv_digest(model):
             raise ConfigError(f"invalid starts_path={str(directory)!r}: its predictors were learnt on "
                               f"{meta.get('backbone') or 'another model'}'s K/V projections, not this model's; run "
                               "`rkv lowram-init --backbone ...` for this model")
-        flat = load_file(str(directory / WEIGHTS))
         layers = {kind: [Predictor(*(flat[f"{kind}.{i}.{name}"] for name in Predictor._fields))
                          for i in range(meta["n_layers"])] for kind in meta["kinds"]}
         return cls(layers, meta | {"path": str(directory)})
