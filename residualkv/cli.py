@@ -193,7 +193,7 @@ def cmd_lowram_init(args) -> int:
     checkpoint.unlink(missing_ok=True)
     summary = {"path": str(out), **{k: starts.meta[k] for k in ("heldout_relative_error", "seconds")}}
     print(json.dumps(summary, indent=2) if args.json else
-          f"[rkv lowram-init] saved {out}; methods lowram-meta and lowram-q-meta now start from it")
+          f"[rkv lowram-init] saved {out}; methods lowram-warm, lowram-meta and lowram-q-meta now start from it")
     return 0
 
 
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     li = sub.add_parser("lowram-init", help="learn LowRAM's predictor starts for a backbone (warm start + FOMAML "
-                        "meta-init), so a context fits in 2 steps (methods lowram-meta, lowram-q-meta)")
+                        "meta-init), read by the methods lowram-warm, lowram-meta and lowram-q-meta")
     li.add_argument("--backbone", default="smollm2-135m")
     li.add_argument("--data", default="offline", help="'offline' (default), a folder/file of .txt/.jsonl, or a datasets name")
     li.add_argument("--text-field", default="text", help="text column of JSONL rows / hub datasets")
