@@ -181,8 +181,9 @@ def learn_starts(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, conf
     `checkpoint_every` steps); the caller removes the file once the starts are saved."""
     config = config or LowRAMConfig()
     say = (lambda msg: print(f"[lowram-init] {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    digest = kv_digest(model)
     settings = {"train": _digest(train_ids), "warm_steps": warm_steps, "inner_steps": inner_steps, "accumulate": accumulate,
-                "outer_lr": outer_lr, "seed": seed, "kv_digest": kv_digest(model), "config": repr(config)}
+                "outer_lr": outer_lr, "seed": seed, "kv_digest": digest, "config": repr(config)}
     saved = _load_checkpoint(checkpoint, settings, meta_steps, say)
     t0 = time.perf_counter()
     keys, values = capture_pairs(model, train_ids, config)
@@ -228,7 +229,7 @@ def learn_starts(model, train_ids: torch.Tensor, heldout_ids: torch.Tensor, conf
         return [Predictor(*(t[i * H:(i + 1) * H].clone() for t in p)) for i in range(n_layers)]
 
     info: dict[str, Any] = {
-        "backbone": backbone, "fingerprint": fingerprint(model.config), "kv_digest": kv_digest(model),
+        "backbone": backbone, "fingerprint": fingerprint(model.config), "kv_digest": digest,
         "lowram_config": {"ratio": config.ratio, "layer_group": config.layer_group, "key_bits": config.key_bits,
                           "hidden_factor": config.hidden_factor, "lr": config.lr},
         "contexts": {"train": train_ids.shape[0], "heldout": heldout_ids.shape[0], "tokens": train_ids.shape[1]},

@@ -94,4 +94,5 @@ class PredictorStarts:
         if not found:
             raise ConfigError("start='warm' or 'meta' needs predictor starts learnt on this model: run "
                               "`rkv lowram-init --backbone NAME` once (minutes on CPU), or pass starts_path=FOLDER")
-        return cls.load(max(found, key=lambda p: p.stat().st_mtime).parent, model)
+        # its digest was just matched against this model's: no second pass over the weights
+        return cls.load(max(found, key=lambda p: p.stat().st_mtime).parent)
