@@ -14,7 +14,8 @@ decoded + references read, summed over the compressed layers) come from the cach
     python benchmarks/decode_speed.py --quick    # smoke test: 256 and 512 tokens
     python benchmarks/decode_speed.py --values-first   # + each deployment with its values decoded before
                                                        #   the softmax, to time LatentValues side by side
-    python benchmarks/decode_speed.py --lowram         # + LowRAM (4x) fitted to the same prefill, beside them
+    python benchmarks/decode_speed.py --lowram         # + LowRAM (4x) and LowRAM-SR (4x, selective reconstruction)
+                                                       #   fitted to the same prefill, beside them
 
 Writes benchmarks/results/decode_speed_cpu{_quick}.json and a PNG plot next to it.
 """
@@ -44,6 +45,7 @@ from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.cli import base_config, context_ids, latest_codec_path, untrained_codec  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
 from residualkv.lowram import LowRAMCache  # noqa: E402
+from residualkv.lowram.selective import chunks_selected  # noqa: E402
 from trees import describe  # noqa: E402
 
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
@@ -92,9 +94,11 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     fill_s = fill_from(full, standalone, ctx)
     caches = {"full": full, "residualkv-standalone": standalone,
               "residualkv+omnikv": standalone.fork(mode="omnikv", select_budget=args.budget, n_recent=args.recent)}
+    lowram_fill_s = {}
     if args.lowram:  # the prompt handed over in one call, as LowRAM's prefill sees it; the fit happens here
-        caches["lowram"] = LowRAMCache.from_model(model)
-        lowram_fill_s = fill_from(full, caches["lowram"], ctx, chunk=ctx)
+        for name, selective in (("lowram", False), ("lowram-sr", True)):
+            caches[name] = LowRAMCache.from_model(model, selective=selective)
+            lowram_fill_s[name] = fill_from(full, caches[name], ctx, chunk=ctx)
     if args.values_first:  # the same deployments with the values decoded before the softmax (no LatentValues)
         for name in METHODS[1:]:
             caches[name + VALUES_FIRST] = caches[name].fork()
@@ -103,7 +107,7 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     times: dict[str, list[float]] = {name: [] for name in caches}
     for name, c in caches.items():  # warm-up
         _, tokens[name] = decode_steps(model, c, tokens[name], args.warmup)
-    steps_before = {name: len(c.layers[-1].decode_log) for name, c in caches.items() if name not in ("full", "lowram")}
+    steps_before = {name: len(c.layers[-1].decode_log) for name, c in caches.items() if name != "full"}
     for _ in range(args.repeats):
         for name, c in caches.items():
             t, tokens[name] = decode_steps(model, c, tokens[name], args.steps)
@@ -111,13 +115,20 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     out = {"context": ctx, "prefill_full_s": prefill_s, "fill_s": fill_s, "methods": {}}
     if args.lowram:
         out["lowram_fill_s"] = lowram_fill_s
+        out["lowram_key_ranks"] = {name: caches[name].key_ranks for name in lowram_fill_s}
     for name, c in caches.items():
         med = statistics.median(times[name])
         rec = {"median_step_s": med, "tokens_per_s": 1.0 / med, "step_times_s": times[name]}
-        if name == "lowram":  # every step rebuilds each layer's prompt keys (A B) and values (f + residuals)
+        if name.startswith("lowram"):
+            # a step rebuilds each layer's prompt keys (A B) and values (f + residuals): all of them, or with
+            # selective reconstruction the chosen chunks (each KV head its own, the same count per head)
             rep = accounting.report(c)
+            rebuilt = [chunks_selected(c.config) * s.selective.chunk if s.selective is not None else s.n_prompt
+                       for s in (layer.stores[0] for layer in c.layers)]
             rec.update({"kr_measured": rep["kr_measured"], "cr": rep["cr"],
-                        "tokens_reconstructed_per_step": ctx * len(c.layers)})
+                        "tokens_reconstructed_per_step": sum(rebuilt),
+                        "tokens_attended_per_step_all_layers": statistics.mean(
+                            rep["tokens_attended_per_step"][steps_before[name]:])})
         elif name != "full":
             rep = accounting.report(c)
             per_step = rep["tokens_reconstructed_per_step"][steps_before[name]:]
@@ -164,7 +175,8 @@ def plot(results: list[dict], path: Path, note: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in results]
-    for name, color in zip((*METHODS, "lowram"), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+    for name, color in zip((*METHODS, "lowram", "lowram-sr"), ("tab:blue", "tab:orange", "tab:green", "tab:red",
+                                                               "tab:purple")):
         if name not in results[0]["methods"]:
             continue
         a.plot(ctx, [r["methods"][name]["tokens_per_s"] for r in results], marker="o", label=name, color=color)
@@ -173,7 +185,7 @@ def plot(results: list[dict], path: Path, note: str) -> None:
                    color=color)
     a.set(xlabel="context tokens", ylabel="decode tokens/s (median)", xscale="log", title="CPU decode speed")
     b.set(xlabel="context tokens", ylabel="tokens reconstructed per step", xscale="log", yscale="log",
-          title="codes decoded + references read, all compressed layers (LowRAM: every prompt token)")
+          title="codes decoded + references read, all compressed layers (LowRAM: prompt tokens rebuilt)")
     for ax in (a, b):
         ax.set_xticks(ctx, [str(c) for c in ctx])
         ax.xaxis.set_minor_formatter(NullFormatter())
@@ -197,7 +209,7 @@ def main(argv=None) -> int:
                    help="also time each ResidualKV deployment with its values decoded before the softmax "
                         "(cache.latent = None), side by side: what decoding them after it (LatentValues) saves")
     p.add_argument("--lowram", action="store_true",
-                   help="also time LowRAM (4x; its 150-step fit to the prompt is not timed as decode)")
+                   help="also time LowRAM and LowRAM-SR (4x; their 150-step fits to the prompt are not timed as decode)")
     p.add_argument("--budget", type=int, default=2048, help="OmniKV tokens chosen per step (besides sinks/recent)")
     p.add_argument("--recent", type=int, default=128)
     p.add_argument("--threads", type=int, default=1,

@@ -141,9 +141,17 @@ def _report_lowram(cache) -> dict[str, Any]:
     gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
     stores = [s for layer in cache.layers for s in layer.stores if s.mask is not None]
     per_layer = _cr_per_layer(cache.layers)
+    cfg, steps = cache.config, min((len(layer.decode_log) for layer in cache.layers), default=0)
     return {"kr_measured": kr, "kr_formula": target, "cr": sum(per_layer) / len(per_layer), "cr_per_layer": per_layer,
-            "cr_scope": "decode steps; every stored token is rebuilt and attended",
-            "decode_steps": min((len(layer.decode_log) for layer in cache.layers), default=0),
+            "cr_scope": ("decode steps; the selected prompt chunks, the exact chunks and window, and the tail are "
+                         "attended (prompts too short to select from are read whole)") if cfg.selective else
+                        "decode steps; every stored token is rebuilt and attended",
+            "decode_steps": steps,
+            "history_tokens_per_step": [sum(layer.decode_log[t][0] for layer in cache.layers) for t in range(steps)],
+            "tokens_attended_per_step": [sum(layer.decode_log[t][1] for layer in cache.layers) for t in range(steps)],
+            "selective": {"engaged_stores": sum(s.selective is not None for s in stores), "stores": len(stores),
+                          "chunk": cfg.sr_chunk, "budget": cfg.sr_budget, "outlier_chunks": cfg.sr_outliers,
+                          "window": cfg.sr_window} if cfg.selective else None,
             "bytes": comp, "total_bytes": total, **_spare(cache, total, fp16), "fp16_bytes": fp16, "gap": gap,
             "unexplained": 0.0,
             "inputs": {"ratio": cache.config.ratio, "layer_group": cache.config.layer_group, "key_ranks": cache.key_ranks,

@@ -24,7 +24,7 @@ How it plugs into transformers without copying modeling files. The query is only
 attention function, the cache only to `cache.update`; the hand-off between the two:
 
 * `ResidualKVCache.update` (via `SparseController.update`) returns either the usual K/V or, for a
-  sparse layer, only the selected K/V with a `slots` map; it leaves a `_Handoff` (layer, kind, the K
+  sparse layer, only the selected K/V with a `slots` map; it leaves a `Handoff` (layer, kind, the K
   tensor it returned) in a context variable;
 * `sparse_attention_forward`, registered in `AttentionInterface` as "residualkv_sparse", picks the
   hand-off up when it is for the very K tensor it receives, then: "sparse" -> gathers the model's mask
@@ -33,7 +33,9 @@ attention function, the cache only to `cache.update`; the hand-off between the t
   kernels run) -> the cache returned zero-length K/V and the function attends over the full layer's
   packed stores with kernels/kivi_attention.py; "latent" (`LatentValues`, any mode, decode steps on the
   torch path) -> the values came back without the decoder's term and the function adds it after the
-  softmax (a "sparse" hand-off can carry the same latents). With no hand-off it is exactly
+  softmax (a "sparse" hand-off can carry the same latents); "attend" (LowRAMCache with `selective`)
+  -> the cache returned zero-length K/V and its callback computes the attention from the query,
+  choosing which prompt chunks to rebuild (residualkv/lowram/selective.py). With no hand-off it is exactly
   transformers' SDPA, so installing it on a model changes nothing for other caches.
 """
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import contextvars
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +62,10 @@ ATTN_IMPLEMENTATION = "residualkv_sparse"
 
 
 @dataclass
-class _Handoff:
+class Handoff:
     controller: "SparseController | None"  # None for "kivi" and "latent"
     layer_idx: int
-    kind: str  # "score" | "sparse" | "snap" | "kivi" | "latent"
+    kind: str  # "score" | "sparse" | "snap" | "kivi" | "latent" | "attend"
     key: torch.Tensor  # the K tensor cache.update returned: the attention call must receive this object
     slots: torch.Tensor | None  # "sparse": [B, L] mask column of each returned K column, -1 = padding
     consumed: bool = False
@@ -71,9 +74,12 @@ class _Handoff:
     # "latent", or a "sparse" read whose values came back latent: (Latents over the L columns, W_v [Hkv·D, d_c]),
     # the attention adds (P Z) W_v^T to P V (LatentValues)
     latent: "tuple[Latents, torch.Tensor] | None" = None
+    # "attend": the cache computes the attention itself from the query (attend(query, scaling) -> [B, 1, Hq, D]);
+    # LowRAM-SR, whose stores choose what to rebuild from the query
+    attend: "Callable[[torch.Tensor, float | None], torch.Tensor] | None" = None
 
 
-_HANDOFF: contextvars.ContextVar[_Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
+_HANDOFF: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +183,7 @@ class SparseController:
         self.decode = False
         self.prompt = False
         self.evicted: dict[int, dict[str, int]] = {}  # snapkv: layer -> counts
-        self.pending: _Handoff | None = None
+        self.pending: Handoff | None = None
 
     # -- called by the cache --
 
@@ -216,7 +222,7 @@ class SparseController:
 
     # -- called by the attention function --
 
-    def choose(self, h: _Handoff, scores: torch.Tensor) -> None:
+    def choose(self, h: Handoff, scores: torch.Tensor) -> None:
         """I_t for every row group, from the filter layer's scores over slots [B, L]."""
         cfg, rows = self.cfg, self.cache.rows
         s0 = rows.n_slots - 1
@@ -229,7 +235,7 @@ class SparseController:
             sel.append(None if self.full_read_shortcut and chosen.shape[1] == n else chosen)
         self.selection = None if all(s is None for s in sel) else sel
 
-    def evict(self, h: _Handoff, votes: torch.Tensor, n_kv_heads: int) -> None:
+    def evict(self, h: Handoff, votes: torch.Tensor, n_kv_heads: int) -> None:
         """SnapKV: keep each row's survivors (and the references their codes need) in layer h.layer_idx.
         Survivors: the n_sink first tokens, the observation window (last snapkv_window prompt tokens)
         and the `select_budget` best-voted others; with select_ratio, max(window, round(ratio x n))
@@ -264,18 +270,18 @@ class SparseController:
     # -- hand-off --
 
     def _hand(self, layer_idx: int, kind: str, key: torch.Tensor, slots: torch.Tensor | None) -> None:
-        _hand_off(self, _Handoff(self, layer_idx, kind, key, slots))
+        hand_off(self, Handoff(self, layer_idx, kind, key, slots))
 
     def _check_pending(self) -> None:
-        _check_handed_off(self, f"the {self.cfg.mode} selection could not be made")
+        check_handed_off(self, f"the {self.cfg.mode} selection could not be made")
 
 
-def _hand_off(owner, h: _Handoff) -> None:
+def hand_off(owner, h: Handoff) -> None:
     owner.pending = h
     _HANDOFF.set(h)
 
 
-def _check_handed_off(owner, consequence: str) -> None:
+def check_handed_off(owner, consequence: str) -> None:
     """Called by the owner before its next layer: the attention function must have taken the hand-off."""
     h, owner.pending = owner.pending, None
     if h is not None and not h.consumed:
@@ -301,11 +307,11 @@ class FusedFullDecode:
         self.cache = cache
         sparse = cache.sparse
         self.skip = sparse.choosers if sparse is not None and cache.config.mode == "omnikv" else frozenset()
-        self.pending: _Handoff | None = None
+        self.pending: Handoff | None = None
         self.steps = 0  # layer-steps served by the kernel (tests and benchmarks check the path was taken)
 
     def check(self) -> None:
-        _check_handed_off(self, "the fused KIVI decode attention did not run")
+        check_handed_off(self, "the fused KIVI decode attention did not run")
 
     def applies(self, layer_idx: int, key_states: torch.Tensor) -> bool:
         return (isinstance(self.cache.layers[layer_idx], KiviLayer) and key_states.shape[2] == 1
@@ -318,12 +324,12 @@ class FusedFullDecode:
         B, H, _, D = key_states.shape
         # zero-length stand-ins: the attention function recognises the K object and reads the stores
         k, v = key_states.new_empty(B, H, 0, D), value_states.new_empty(B, H, 0, value_states.shape[-1])
-        _hand_off(self, _Handoff(None, layer_idx, "kivi", k, None, layer=layer, rows=self.cache.rows))
+        hand_off(self, Handoff(None, layer_idx, "kivi", k, None, layer=layer, rows=self.cache.rows))
         self.steps += 1
         return k, v
 
 
-def _kivi_attention(module, query: torch.Tensor, h: _Handoff, kwargs: dict) -> torch.Tensor:
+def _kivi_attention(module, query: torch.Tensor, h: Handoff, kwargs: dict) -> torch.Tensor:
     """Decode attention of one KIVI layer on its packed stores -> [B, 1, Hq, D] (the layout transformers'
     attention functions return). Each row group attends over its own store, which holds exactly that
     group's real tokens, so the padding mask needs no columns; a one-token query needs no causal mask."""
@@ -363,11 +369,11 @@ class LatentValues:
 
     def __init__(self, cache):
         self.cache = cache
-        self.pending: _Handoff | None = None
+        self.pending: Handoff | None = None
         self.steps = 0  # layer-steps whose values came back latent (tests and benchmarks check the path)
 
     def check(self) -> None:
-        _check_handed_off(self, "the values' decoder term would be missing from the attention output")
+        check_handed_off(self, "the values' decoder term would be missing from the attention output")
 
     def hand(self, layer_idx: int, key: torch.Tensor, z: Latents, sparse: "SparseController | None") -> None:
         """Give the attention of layer `layer_idx` the latents `z` of the K/V just returned: on the sparse
@@ -378,7 +384,7 @@ class LatentValues:
         if h is not None and h.key is key and not h.consumed:
             h.latent = latent
         else:
-            _hand_off(self, _Handoff(None, layer_idx, "latent", key, None, latent=latent))
+            hand_off(self, Handoff(None, layer_idx, "latent", key, None, latent=latent))
 
 
 def latent_value_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -420,6 +426,9 @@ def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs
     _HANDOFF.set(None)
     if h.kind == "kivi":
         return _kivi_attention(module, query, h, kwargs), None
+    if h.kind == "attend":
+        _plain_softmax_only(kwargs, "LowRAM-SR's decode attention", "build the cache without selective")
+        return h.attend(query, kwargs.get("scaling")), None
     mask = gather_mask(attention_mask, h.slots, query) if h.kind == "sparse" else attention_mask
     if h.latent is not None:
         _plain_softmax_only(kwargs, "the latent-value decode attention", "set cache.latent = None for this model")
@@ -466,5 +475,5 @@ def install(model) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "FusedFullDecode", "LatentValues", "SparseController", "latent_value_attention", "gather_mask", "install", "omnikv_token_scores", "register",
+__all__ = ["ATTN_IMPLEMENTATION", "FusedFullDecode", "Handoff", "check_handed_off", "hand_off", "LatentValues", "SparseController", "latent_value_attention", "gather_mask", "install", "omnikv_token_scores", "register",
            "select_tokens", "snapkv_aggregate", "snapkv_head_scores", "snapkv_token_scores", "sparse_attention_forward", "token_budget"]

@@ -159,6 +159,13 @@ class LowRAMConfig:
     group_size: int = 32
     oversample: int = 8  # randomised range finder: extra columns and power iterations
     power_iters: int = 1
+    # LowRAM-SR, selective reconstruction (seed: 8-token chunks with mean-key landmarks, 48 outlier chunks and
+    # the last 32 tokens exact, the best chunks up to 2048 tokens rebuilt per decode step; lowram/selective.py)
+    selective: bool = False
+    sr_chunk: int = 8
+    sr_budget: int = 2048
+    sr_outliers: int = 48
+    sr_window: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -177,6 +184,10 @@ class LowRAMConfig:
                "use a positive multiple of 8 (default 32) so groups pack into whole bytes")
         _check(self.oversample >= 0, "oversample", self.oversample, "use 0 or more extra columns (default 8)")
         _check(self.power_iters >= 0, "power_iters", self.power_iters, "use 0 or more power iterations (default 1)")
+        _check(self.sr_chunk >= 1, "sr_chunk", self.sr_chunk, "use chunks of 1 or more tokens (seed: 8)")
+        _check(self.sr_budget >= 1, "sr_budget", self.sr_budget, "rebuild 1 or more tokens per step (seed: 2048)")
+        _check(self.sr_outliers >= 0, "sr_outliers", self.sr_outliers, "keep 0 or more exact chunks (seed: 48)")
+        _check(self.sr_window >= 0, "sr_window", self.sr_window, "keep 0 or more recent prompt tokens exact (seed: 32)")
 
     def replace(self, **changes: Any) -> "LowRAMConfig":
         return _replace(self, changes)

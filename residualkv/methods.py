@@ -99,11 +99,19 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training", False, _lowram()),
     Method("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",
            False, _lowram(ratio=5.0, key_bits=4, residual_bits=2)),
+    Method("lowram-sr", "LowRAM-SR at 4x: as lowram, but each decode step rebuilds only the 2048 prompt tokens "
+           "(8-token chunks) its query selects by mean-key landmarks; 48 outlier chunks and the last 32 prompt tokens "
+           "kept exact, paid from the keys' share of the bytes", False, _lowram(selective=True)),
+    Method("lowram-q-sr", "LowRAM-Q at 5x with selective reconstruction (as lowram-sr)", False,
+           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True)),
     Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
            "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
            _lowram(start="warm"), learnt_starts=True),
     Method("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "
            "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2), learnt_starts=True),
+    Method("lowram-meta-sr", "LowRAM at 4x fitted in 2 steps from the meta-learned start, with selective "
+           "reconstruction: the seed's fast prefill and fast decode together", False,
+           _lowram(start="meta", fit_steps=2, selective=True), learnt_starts=True),
     Method("lowram-q-meta", "LowRAM-Q at 5x fitted in 2 Adam steps from the meta-learned start",
            False, _lowram(ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2), learnt_starts=True),
 ]}

@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 from residualkv import accounting
 from residualkv.config import ConfigError, LowRAMConfig
 from residualkv.lowram import LowRAMCache
-from residualkv.lowram.cache import LowRAMStore
+from residualkv.lowram.cache import LowRAMStore, predictor_bytes
 from residualkv.lowram.keys import fit_layer_factors, low_rank_basis, rank_for_ratio
 from residualkv.lowram.values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 from residualkv.methods import build_cache
@@ -264,3 +264,171 @@ def test_lowram_on_smollm2_fits_values_and_keeps_the_continuation(smollm2):
     # measured on this prompt: full 2.54, lowram 2.72, Slim's linear map alone 6.29 nats/token
     assert nll["lowram"] < nll["full"] + 0.3, nll
     assert nll["lowram"] < nll["slim"] - 1.0, nll
+
+
+# ---------------------------------------------------------------------------------------------
+# selective reconstruction (LowRAM-SR)
+
+SR = dict(layer_group=2, fit_steps=20, selective=True, sr_budget=128, sr_outliers=6, sr_window=20)
+
+
+def _sr_prefill(model, n=700, **changes):
+    cfg = LowRAMConfig(ratio=2.0, **{**SR, **changes})
+    ids = _ids(n, seed=3)
+    cache, exact = LowRAMCache.from_model(model, cfg), DynamicCache(config=model.config)
+    _prefill(model, ids, cache)
+    _prefill(model, ids, exact)
+    return cfg, ids, cache, exact
+
+
+def test_selective_state_is_the_seeds_landmarks_outliers_and_window(model):
+    cfg, _, cache, exact = _sr_prefill(model)
+    T, w = 700, 20 + (700 - 20) % 8  # the window takes the tokens that do not fill a chunk
+    for i, layer in enumerate(cache.layers):
+        sr, store = layer.stores[0].selective, layer.stores[0]
+        k, v = exact.layers[i].keys.float(), exact.layers[i].values.float()  # post-RoPE, as stored
+        chunks = k[:, :, : T - w].unflatten(2, (-1, 8))
+        marks = chunks.mean(3)
+        assert torch.allclose(sr.landmarks.float(), marks, atol=1e-3)
+        fit = torch.nn.functional.cosine_similarity(chunks, marks[:, :, :, None], dim=-1).amin(-1)
+        worst = fit.sort(-1).indices[..., :6].sort(-1).values
+        assert torch.equal(sr.outliers.long(), worst)
+        tok = sr.exact_tokens()
+        assert tok.shape[-1] == 6 * 8 + w and int(tok[0, 0, -1]) == T - 1
+        assert torch.equal(sr.out_k, k.gather(2, tok[..., : 48, None].expand(-1, -1, -1, 16)).half())
+        assert torch.equal(sr.win_v, v[:, :, T - w:].half())
+        # a whole-prompt read holds the exact tokens; no residual is spent on them
+        cos, sin = layer.rope.cos_sin(torch.arange(T)[None], torch.float32)
+        kr, vr = store.read(cos, sin)
+        idx = tok[..., None].expand(-1, -1, -1, 16)
+        assert torch.equal(kr.gather(2, idx), k.gather(2, idx).half().float())
+        assert torch.equal(vr.gather(2, idx), v.gather(2, idx).half().float())
+        has = unpack_bits(store.mask, 1)[:, :T].view(1, 2, T)
+        assert int(has.gather(2, tok).sum()) == 0 and store.n_keep > 0
+
+
+def test_selective_read_chooses_by_landmarks_and_with_every_chunk_equals_the_whole_read(model):
+    cfg, _, cache, _ = _sr_prefill(model)
+    layer = cache.layers[3]
+    store, sr = layer.stores[0], layer.stores[0].selective
+    torch.manual_seed(1)
+    q = torch.randn(1, 4, 1, 16)
+    pos = cache.rows.positions[:, :700]
+    # the chosen chunks: per KV head, the best by softmax(q . landmark) max-pooled over its 2 query heads
+    tok = sr.choose(q, 16, 0.25)
+    p = torch.softmax(q.view(1, 2, 2, 16) * 0.25 @ sr.landmarks.float().mT, -1).amax(2)
+    p.scatter_(-1, sr.outliers.long(), -1.0)
+    best = p.topk(16, -1).indices
+    assert torch.equal(tok.view(1, 2, 16, 8)[..., 0] // 8, best)
+    for h in range(2):
+        assert not set(best[0, h].tolist()) & set(sr.outliers[0, h].tolist())
+    # rebuilt rows are the whole read's rows; with every chunk chosen, attention equals the whole read's
+    cos, sin = layer.rope.cos_sin(pos, torch.float32)
+    kf, vf = store.read(cos, sin)
+    k, v = store.read_selected(q, pos, layer.rope, 16, 0.25)
+    sel = tok[..., None].expand(-1, -1, -1, 16)
+    assert torch.allclose(k[:, :, 48:48 + 128], kf.gather(2, sel), atol=1e-5)
+    assert torch.allclose(v[:, :, 48:48 + 128], vf.gather(2, sel), atol=1e-5)
+    n_all = sr.landmarks.shape[2] - 6
+    k, v = store.read_selected(q, pos, layer.rope, n_all, 0.25)
+    assert k.shape == kf.shape
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert torch.allclose(sdpa(q, k, v, scale=0.25, enable_gqa=True), sdpa(q, kf, vf, scale=0.25, enable_gqa=True),
+                          atol=1e-6)
+
+
+@pytest.mark.parametrize("q", [False, True])
+def test_selective_bytes_fit_the_ratio_and_cr_counts_what_attention_read(model, q):
+    # a 4-bit basis comes in rank steps of one quantisation group (32): one xKV group of all 5 layers
+    # leaves room for two
+    quant = dict(key_bits=4, residual_bits=2, layer_group=5) if q else {}
+    plain = LowRAMCache.from_model(model, LowRAMConfig(ratio=2.0, **{**SR, **quant, "selective": False}))
+    cfg = LowRAMConfig(ratio=2.0, **{**SR, **quant})
+    cache = LowRAMCache.from_model(model, cfg)
+    ids = _ids(700, seed=3)
+    outs = {}
+    for name, c in (("plain", plain), ("sr", cache)):
+        with torch.no_grad():
+            outs[name] = model.generate(ids, max_new_tokens=4, do_sample=False, cache=c)
+    rep, rep_plain = accounting.report(cache), accounting.report(plain)
+    # within the budget; in FP16 it is spent to the rounding (a 4-bit rank rounds down by up to a group here)
+    assert rep["gap"]["rank_and_residual_rounding"] < 0.01 and (q or rep["gap"]["rank_and_residual_rounding"] > -0.01)
+    assert rep["bytes"]["sr_landmarks"] == 5 * 2 * (680 // 8) * 16 * 2
+    assert rep["bytes"]["sr_exact_chunks"] == 5 * (2 * 6 * 4 + 2 * 2 * 6 * 8 * 16 * 2)
+    # landmarks and exact keys paid from the keys' share (a rank capped at the group's width may not move),
+    # exact values from the values' share (2-bit residuals at 2x fit every token either way)
+    assert all(a <= b for a, b in zip(cache.key_ranks, plain.key_ranks)) and cache.key_ranks != plain.key_ranks
+    res, res_plain = rep["bytes"]["value_residuals"], rep_plain["bytes"]["value_residuals"]
+    assert res < res_plain or (q and res == res_plain == 5 * 2 * 700 * (16 * 2 // 8 + 2 * 2))  # + min, scale
+    assert rep["bytes"]["value_predictors"] == 5 * predictor_bytes(2, 16, cfg)
+    # 3 decode steps; each layer attends to 6 exact chunks + 16 chosen + the 20-token window + the tail
+    assert rep["decode_steps"] == 3
+    assert rep["tokens_attended_per_step"] == [5 * (48 + 128 + 20 + t) for t in range(3)]
+    assert rep["history_tokens_per_step"] == [5 * (700 + t) for t in range(3)]
+    assert rep["cr"] == pytest.approx(sum(196 + t for t in range(3)) / sum(700 + t for t in range(3)))
+    assert rep["selective"]["engaged_stores"] == 5 and rep_plain["cr"] == 1.0
+
+
+def test_selective_left_padded_batch_equals_single_runs(model):
+    """Row groups select on their own: a long row reads selectively, a short one whole."""
+    a, b = _ids(700, seed=1), _ids(200, seed=2)
+    cfg = LowRAMConfig(ratio=2.0, **SR)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 500, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 700), torch.cat([torch.zeros(1, 500), torch.ones(1, 200)], 1)]).long()
+
+    def gen(ids, m, cache):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=m, max_new_tokens=10, do_sample=False, cache=cache)
+
+    cache = LowRAMCache.from_model(model, cfg)
+    both = gen(batch, mask, cache)
+    assert [s.selective is not None for s in cache.layers[0].stores] == [True, False]
+    one = gen(a, torch.ones_like(a), LowRAMCache.from_model(model, cfg))
+    two = gen(b, torch.ones_like(b), LowRAMCache.from_model(model, cfg))
+    assert both[0, 700:].tolist() == one[0, 700:].tolist()
+    assert both[1, 700:].tolist() == two[0, 200:].tolist()
+
+
+def test_selective_engages_only_where_it_skips_something_and_its_bytes_fit(model):
+    with pytest.raises(ConfigError, match="sr_chunk"):
+        LowRAMConfig(selective=True, sr_chunk=0)
+    for changes in (dict(sr_outliers=60), dict(sr_budget=700)):  # over the keys' share; nothing to skip
+        cfg, ids, cache, _ = _sr_prefill(model, **changes)
+        assert not any(s.selective for layer in cache.layers for s in layer.stores)
+        with torch.no_grad():
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+        rep = accounting.report(cache)
+        assert rep["selective"]["engaged_stores"] == 0 and rep["cr"] == 1.0 and "sr_landmarks" not in rep["bytes"]
+    m = build_cache("lowram-sr", model)
+    assert m.config.selective and m.config.ratio == 4.0
+    from residualkv.evaluation.harness import build_method_cache
+
+    assert build_method_cache("lowram-q-sr-f3", model).config.fit_steps == 3
+
+
+def test_lowram_sr_on_smollm2_reads_a_third_and_keeps_the_continuation(smollm2):
+    """LowRAM-SR on real text: each decode step attends to about a third of the prompt, rebuilt from the
+    chunks its query selects, and the continuation stays close to the full cache at the same bytes as
+    plain LowRAM (ratio 2: at 576 tokens the landmarks and exact chunks take most of a 4x keys' share)."""
+    from residualkv.data import offline_text
+
+    model, tok, _ = smollm2
+    ids = tok(offline_text(6000), return_tensors="pt").input_ids[:, :640]
+    prompt, cont = ids[:, :576], ids[:, 576:]
+    sr = dict(selective=True, sr_budget=128, sr_outliers=4, sr_window=16)
+    caches = {"full": DynamicCache(config=model.config),
+              "lowram": LowRAMCache.from_model(model, ratio=2.0, fit_steps=50),
+              "sr": LowRAMCache.from_model(model, ratio=2.0, fit_steps=50, **sr)}
+    nll = {}
+    for name, cache in caches.items():
+        logits = [_prefill(model, prompt, cache).logits[0, -1]]
+        with torch.no_grad():
+            for j in range(cont.shape[1] - 1):
+                logits.append(model(input_ids=cont[:, j:j + 1], cache=cache, use_cache=True).logits[0, -1])
+        nll[name] = torch.nn.functional.cross_entropy(torch.stack(logits).float(), cont[0]).item()
+    rep, rep_plain = accounting.report(caches["sr"]), accounting.report(caches["lowram"])
+    assert rep["selective"]["engaged_stores"] == 30
+    assert rep["kr_measured"] == pytest.approx(rep_plain["kr_measured"], abs=0.005)
+    assert 0.3 < rep["cr"] < 0.4, rep["cr"]  # (32 exact + 128 chosen + 16 window + tail) / (576 + tail)
+    # measured: full 2.54, lowram 2.68, LowRAM-SR 2.41 nats/token
+    assert nll["sr"] < nll["full"] + 0.3 and nll["sr"] < nll["lowram"] + 0.2, nll

@@ -7,7 +7,9 @@ basis A and per-layer factors B (keys.py), and each layer of the group fits its 
 keys as the cache will read them back, A B, and keeps the residuals of the tokens it predicts worst
 (values.py). The dense prompt is then dropped. Decode: every step rebuilds the prompt's keys (A B,
 rotated) and values (f(A B) + residuals) and attends over all of them (CR = 100%); tokens written after
-the prompt are kept exact in FP16, as the seed does.
+the prompt are kept exact in FP16, as the seed does. With `selective` (LowRAM-SR, selective.py) a decode
+step rebuilds only the prompt chunks its query selects; the attention function then reads them
+through a hand-off (residualkv.attention), as the query is not visible to `Cache.update`.
 
 Every stored tensor is what is counted: A in FP16 or packed `key_bits`, B and the predictors in FP16,
 the residuals in FP16 or packed `residual_bits`, and which tokens have one as a bit mask.
@@ -16,7 +18,10 @@ the residuals in FP16 or packed `residual_bits`, and which tokens have one as a 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
+
+from .. import attention
 
 from ..accounting import q_bits
 from ..cache import RowLayout, _GroupedLayer, _position_ids
@@ -27,6 +32,7 @@ from ..quant import Packed, dequantize, pack_bits, quantize, unpack_bits
 from ..rope import RopeTable, apply_rope, invert_rope
 from ..stores import flat_heads, nbytes_of, sum_bytes
 from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
+from .selective import Selective, chunks_selected, extra_bytes
 from .starts import PredictorStarts
 from .values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 
@@ -44,6 +50,14 @@ class Quantised:
         if self.bits is None:
             return self.data.float()
         return dequantize(self.data, self.bits, self.group)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows idx [N, n] of a stored [N, M, F] tensor, float32 [N, n, F]; only those are decoded."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1]))
+        if self.bits is None:
+            return take(self.data).float()
+        return dequantize(Packed(*(take(t) for t in self.data)), self.bits, self.group)
 
     def nbytes(self) -> int:
         return self.data.nbytes() if isinstance(self.data, Packed) else nbytes_of(self.data)
@@ -71,10 +85,13 @@ class LowRAMStore:
         self.mask: torch.Tensor | None = None  # uint8 [R·H, ceil(T/8)]: bit t set = token t has a residual
         self.residuals: Quantised | None = None  # [R·H, n_keep, D], in token order
         self.n_keep = 0  # residuals per (row, head)
+        self.selective: Selective | None = None  # LowRAM-SR's landmarks and exact tokens, where it engages
+        self.k_post: torch.Tensor | None = None  # exact post-RoPE prompt keys until compressed (LowRAM-SR)
         self._k_tail, self._v_tail = Growing(dim=2), Growing(dim=2)
 
-    def hold(self, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+    def hold(self, k_pre: torch.Tensor, v: torch.Tensor, k_post: torch.Tensor | None = None) -> None:
         self.pending = (k_pre.detach().float(), v.detach().float())
+        self.k_post = None if k_post is None else k_post.detach()
         self.shape = tuple(k_pre.shape)
         self.n = self.n_prompt = k_pre.shape[2]
 
@@ -96,6 +113,34 @@ class LowRAMStore:
         has = unpack_bits(self.mask, 1)[:, :T].bool()
         v[has] += self.residuals.read().reshape(-1, D)
         k, v = apply_rope(kp, cos, sin), v.view(R, H, T, D)
+        if self.selective is not None:
+            self.selective.overwrite(k, v)
+        return self._with_tail(k, v)
+
+    def read_selected(self, query: torch.Tensor, positions: torch.Tensor, rope: RopeTable, n_select: int,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """LowRAM-SR: keys and values [R, H, L, D] float32 of the exact chunks, the `n_select` chunks the
+        queries [R, Hq, 1, D] select (rebuilt: A B rotated at their `positions`, f + their residuals),
+        the exact window and the tail. Only the selected rows of A and of the residuals are decoded."""
+        sr = self.selective
+        R, H, T, D = self.shape
+        tok = sr.choose(query, n_select, scaling)  # [R, H, n]
+        n = tok.shape[-1]
+        a = self.basis.rows(tok.reshape(R, H * n)).view(R, H, n, -1)
+        kp = a @ self.factors.float().view(R, -1, H, D).transpose(1, 2)  # [R, H, n, D]
+        cos, sin = rope.cos_sin(positions.gather(1, tok.reshape(R, H * n)), torch.float32)
+        k = apply_rope(kp.reshape(R * H, 1, n, D), cos.reshape(R * H, n, D), sin.reshape(R * H, n, D))
+        tok = tok.reshape(R * H, n)
+        v = self.predictor(kp.reshape(R * H, n, D))
+        if self.n_keep:
+            has = unpack_bits(self.mask, 1)[:, :T]
+            rank = has.cumsum(1, dtype=torch.int32).sub_(1).gather(1, tok).clamp_(min=0).long()
+            v += self.residuals.rows(rank) * has.gather(1, tok)[..., None]
+        k = torch.cat([sr.out_k.float(), k.view(R, H, n, D), sr.win_k.float()], dim=2)
+        v = torch.cat([sr.out_v.float(), v.view(R, H, n, D), sr.win_v.float()], dim=2)
+        return self._with_tail(k, v)
+
+    def _with_tail(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.n > self.n_prompt:
             k = torch.cat([k, self.k_tail.float()], dim=2)
             v = torch.cat([v, self.v_tail.float()], dim=2)
@@ -106,9 +151,10 @@ class LowRAMStore:
             return {"prompt_pending_fp16": (self.pending[0].numel() + self.pending[1].numel()) * 2}
         if self.factors is None:
             return {}
-        return {"key_layer_factors": nbytes_of(self.factors), "value_predictors": self.predictor.nbytes(),
-                "value_residuals": self.residuals.nbytes(), "residual_mask": nbytes_of(self.mask),
-                "exact_tail_fp16": nbytes_of(self.k_tail, self.v_tail)}
+        out = {"key_layer_factors": nbytes_of(self.factors), "value_predictors": self.predictor.nbytes(),
+               "value_residuals": self.residuals.nbytes(), "residual_mask": nbytes_of(self.mask),
+               "exact_tail_fp16": nbytes_of(self.k_tail, self.v_tail)}
+        return out if self.selective is None else {**out, **self.selective.nbytes()}
 
     def spare_bytes(self) -> int:
         return self._k_tail.spare_bytes() + self._v_tail.spare_bytes()
@@ -133,13 +179,40 @@ def group_generator(cfg: LowRAMConfig, first_layer: int) -> torch.Generator:
     return torch.Generator().manual_seed(cfg.seed * 100_003 + first_layer)
 
 
-def factorise_keys(k_pre: list[torch.Tensor], cfg: LowRAMConfig, generator: torch.Generator) -> tuple[Quantised, torch.Tensor, int]:
+def _basis_rank_step(cfg: LowRAMConfig) -> tuple[float, int]:
+    """Bytes per coordinate of the stored basis A, and the multiple its rank comes in (A's groups)."""
+    return _bytes_per_coord(cfg.key_bits, cfg.group_size), cfg.group_size if cfg.key_bits is not None else 1
+
+
+def predictor_bytes(H: int, D: int, cfg: LowRAMConfig) -> int:
+    """FP16 bytes of one row's predictors in one layer (w1, b1, w2, b2, w_lin per KV head)."""
+    F = max(1, round(cfg.hidden_factor * D))
+    return H * (2 * D * F + F + D + D * D) * 2
+
+
+def selective_fits(T: int, H: int, D: int, G: int, cfg: LowRAMConfig) -> bool:
+    """Whether a T-token prompt of an xKV group of G layers reads selectively: selection would skip
+    something, the keys' share still leaves the basis one rank step after the landmarks and exact keys,
+    and the values' share holds the exact values after the predictors and the residual mask."""
+    key_extra, value_extra = extra_bytes(T, H, D, cfg)
+    if not key_extra:
+        return False
+    n = G * H * D
+    a_bytes, multiple = _basis_rank_step(cfg)
+    keys_left = 2 * T * n / cfg.ratio - G * key_extra
+    values_left = T * H * D * 2 / cfg.ratio - predictor_bytes(H, D, cfg) - H * ((T + 7) // 8) - value_extra
+    return keys_left >= multiple * (T * a_bytes + 2 * n) and values_left >= 0
+
+
+def factorise_keys(k_pre: list[torch.Tensor], cfg: LowRAMConfig, generator: torch.Generator,
+                   reserved: float = 0.0) -> tuple[Quantised, torch.Tensor, int]:
     """One xKV group's pre-RoPE keys (one [R, H, T, D] per layer) as the shared basis A (stored as `cfg`
-    says), the layers' factors B side by side [R, k, G·H·D] FP16, and the rank."""
+    says), the layers' factors B side by side [R, k, G·H·D] FP16, and the rank; `reserved` bytes per row
+    of the keys' share are held by other key-side state (LowRAM-SR's landmarks and exact keys)."""
     T = k_pre[0].shape[2]
     m = torch.cat([flat_heads(k) for k in k_pre], dim=-1)  # [R, T, G·H·D]
-    rank = rank_for_ratio(T, m.shape[-1], cfg.ratio, _bytes_per_coord(cfg.key_bits, cfg.group_size),
-                          multiple=cfg.group_size if cfg.key_bits is not None else 1)
+    a_bytes, multiple = _basis_rank_step(cfg)
+    rank = rank_for_ratio(T, m.shape[-1], cfg.ratio, a_bytes, multiple=multiple, reserved=reserved)
     basis = Quantised(low_rank_basis(m, rank, oversample=cfg.oversample, power_iters=cfg.power_iters,
                                      generator=generator), cfg.key_bits, cfg.group_size)
     return basis, fit_layer_factors(m, basis.read()).to(torch.float16), rank
@@ -157,7 +230,10 @@ def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[tor
     residuals; returns the key rank. `starts` holds, per layer, a saved start [H, ...] or Slim's
     (w_lin, b2), from which W1 is drawn here."""
     R, H, T, D = stores[0].shape
-    basis, factors, rank = factorise_keys([s.pending[0] for s in stores], cfg, generator)
+    selective = cfg.selective and selective_fits(T, H, D, len(stores), cfg)
+    key_extra, value_extra = extra_bytes(T, H, D, cfg) if selective else (0, 0)
+    basis, factors, rank = factorise_keys([s.pending[0] for s in stores], cfg, generator,
+                                          reserved=len(stores) * key_extra)
     hidden = max(1, round(cfg.hidden_factor * D))
     for j, (store, start) in enumerate(zip(stores, starts)):
         store.basis, store.factors = basis, factors[..., j * H * D:(j + 1) * H * D].contiguous()
@@ -167,20 +243,24 @@ def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[tor
             start = slim_start(*start, hidden, generator)
         f = fit_predictor(keys, v, start, steps=cfg.fit_steps, lr=cfg.lr).to(torch.float16)
         resid = v - f(keys)
+        err = resid.pow(2).sum(-1)
+        if selective:
+            store.selective = Selective.build(store.k_post, store.pending[1], cfg)
+            err.view(R, H, T).scatter_(2, store.selective.exact_tokens(), 0.0)  # stored exact: no residual
         mask_bytes = H * ((T + 7) // 8)
-        n_keep = residual_count(T, H, D, f.nbytes() // R + mask_bytes, cfg)
-        keep = worst_predicted(resid.pow(2).sum(-1), n_keep)
+        n_keep = residual_count(T, H, D, f.nbytes() // R + mask_bytes + value_extra, cfg)
+        keep = worst_predicted(err, n_keep)
         bits = torch.zeros(R * H, (T + 7) // 8 * 8, dtype=torch.uint8, device=v.device)
         bits[:, :T] = keep.to(torch.uint8)
         store.predictor, store.mask, store.n_keep = f, pack_bits(bits, 1), n_keep
         store.residuals = Quantised(resid[keep].view(R * H, n_keep, D), cfg.residual_bits, residual_group(cfg, D))
-        store.pending = None
+        store.pending = store.k_post = None
     return rank
 
 
 class LowRAMLayer(_GroupedLayer):
-    def __init__(self, rope: RopeTable):
-        self.rope = rope
+    def __init__(self, rope: RopeTable, config: LowRAMConfig):
+        self.rope, self.config = rope, config
         super().__init__()
 
     def _new_store(self) -> LowRAMStore:
@@ -191,7 +271,7 @@ class LowRAMLayer(_GroupedLayer):
             raise ValueError("LowRAM layers read their whole history (no sparse selection)")
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         if store.n == 0:  # the prompt: attended exactly, held until its xKV group compresses it
-            store.hold(invert_rope(k.float(), cos, sin), v)
+            store.hold(invert_rope(k.float(), cos, sin), v, k if self.config.selective else None)
             return k, v
         if store.pending is not None:
             raise RuntimeError("a LowRAM layer was written twice before its xKV group compressed the prompt")
@@ -199,6 +279,47 @@ class LowRAMLayer(_GroupedLayer):
         hk, hv = store.read(cos[:, :T], sin[:, :T])
         store.append(k, v)
         return torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
+
+    def reads_selectively(self, key_states: torch.Tensor) -> bool:
+        """Whether this update is a LowRAM-SR decode step: one new token per row after the compressed
+        prompt, no gradients (the attention function then reads the stores itself, `attend`)."""
+        return (self.config.selective and key_states.shape[2] == 1 and not torch.is_grad_enabled()
+                and bool(self.stores) and all(s.n_prompt and s.pending is None for s in self.stores))
+
+    def write(self, key_states, value_states, rows: RowLayout) -> None:
+        """Append a decode step's token to every row group's exact tail, counting what `attend` will read."""
+        s0 = self.n_slots
+        read = 0
+        for _, store, _, k_new, v_new in self._groups(key_states, value_states, rows):
+            store.append(k_new, v_new)
+            sr = store.selective
+            if sr is not None:
+                R = k_new.shape[0]
+                read += R * (sr.out_k.shape[2] + chunks_selected(self.config) * sr.chunk + sr.win_k.shape[2]
+                             + store.n - 1 - store.n_prompt)
+            else:
+                read += k_new.shape[0] * (store.n - 1)
+        self.n_slots = s0 + 1
+        self._count(rows, s0, 1, (0, 0), read)
+
+    def attend(self, query: torch.Tensor, rows: RowLayout, scaling: float | None) -> torch.Tensor:
+        """The decode step's attention [B, 1, Hq, D] (transformers' layout): each row group over its
+        selected prompt chunks (or its whole prompt where selection does not engage) and its tail. A
+        group's store holds only its real tokens, so no padding mask is needed; one query, no causal one."""
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = torch.empty_like(query)
+        for grp, store in zip(rows.groups, self.stores):
+            r = grp.rows.to(query.device)
+            q = query[r]
+            pos = rows.positions[r, grp.start:]
+            T = store.n_prompt
+            if store.selective is not None:
+                k, v = store.read_selected(q, pos[:, :T], self.rope, chunks_selected(self.config), scaling)
+            else:
+                cos, sin = self.rope.cos_sin(pos[:, :T], torch.float32)
+                k, v = store.read(cos, sin)
+            out[r] = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
 
     def nbytes(self) -> dict[str, int]:
         return sum_bytes(s.nbytes() for s in self.stores)
@@ -221,7 +342,8 @@ class LowRAMCache(Cache):
         G = config.layer_group
         self.xkv_groups = [list(range(i, min(i + G, num_layers))) for i in range(0, num_layers, G)]
         self.key_ranks: list[int] = []
-        super().__init__(layers=[LowRAMLayer(rope) for _ in range(num_layers)])
+        self.pending = None  # LowRAM-SR: the last layer's hand-off to the attention function
+        super().__init__(layers=[LowRAMLayer(rope, config) for _ in range(num_layers)])
 
     @classmethod
     def from_model(cls, model, config: LowRAMConfig | None = None, **changes) -> "LowRAMCache":
@@ -237,6 +359,8 @@ class LowRAMCache(Cache):
             if starts[0].w1.shape[-1] != hidden:
                 raise ConfigError(f"invalid hidden_factor={config.hidden_factor}: the starts in "
                                   f"{saved.meta['path']} have hidden width {starts[0].w1.shape[-1]}, not {hidden}")
+        if config.selective:
+            attention.install(model)
         return cls(config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                    rope=RopeTable.from_model(model), starts=starts)
 
@@ -244,6 +368,16 @@ class LowRAMCache(Cache):
         layer = self.layers[layer_idx]
         if layer.n_slots == self.rows.n_slots:  # the first layer to see this call's tokens
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
+        attention.check_handed_off(self, "LowRAM-SR's selected chunks were not attended")
+        if layer.reads_selectively(key_states):
+            layer.write(key_states, value_states, self.rows)
+            B, H, _, D = key_states.shape
+            # zero-length stand-ins: the attention function recognises the K object and calls layer.attend
+            k, v = key_states.new_empty(B, H, 0, D), value_states.new_empty(B, H, 0, value_states.shape[-1])
+            rows = self.rows
+            attention.hand_off(self, attention.Handoff(None, layer_idx, "attend", k, None,
+                                                       attend=lambda q, scaling: layer.attend(q, rows, scaling)))
+            return k, v
         out = layer.update(key_states, value_states, self.rows)
         group = next(g for g in self.xkv_groups if layer_idx in g)
         if layer_idx == group[-1] and any(s.pending is not None for s in layer.stores):
@@ -258,6 +392,7 @@ class LowRAMCache(Cache):
         super().reset()
         self.rows = RowLayout(schedule=None)
         self.key_ranks = []
+        self.pending = None
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by component; each xKV group's shared basis counted once."""

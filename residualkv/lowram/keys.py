@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 
-def rank_for_ratio(m: int, n: int, ratio: float, a_bytes: float, multiple: int = 1) -> int:
-    """Largest rank whose A [m, k] (`a_bytes` per coordinate) and FP16 B [k, n] fit 2·m·n/ratio bytes,
-    rounded down to a multiple of `multiple` (A's quantisation groups); at least one group, at most
-    min(m, n) (a full-rank basis already reproduces M)."""
-    k = int((2 * m * n / ratio) // (m * a_bytes + 2 * n))
+def rank_for_ratio(m: int, n: int, ratio: float, a_bytes: float, multiple: int = 1, reserved: float = 0.0) -> int:
+    """Largest rank whose A [m, k] (`a_bytes` per coordinate) and FP16 B [k, n] fit 2·m·n/ratio bytes
+    less `reserved` (other key-side state held in the same budget), rounded down to a multiple of
+    `multiple` (A's quantisation groups); at least one group, at most min(m, n) (a full-rank basis
+    already reproduces M)."""
+    k = int((2 * m * n / ratio - reserved) // (m * a_bytes + 2 * n))
     k -= k % multiple
     return max(min(k, m, n), min(multiple, m, n), 1)
 
