@@ -44,7 +44,7 @@ from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.cli import base_config, context_ids, latest_codec_path, untrained_codec  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
-from residualkv.lowram import LowRAMCache  # noqa: E402
+from residualkv.methods import build_cache  # noqa: E402
 from residualkv.lowram.selective import chunks_selected  # noqa: E402
 from trees import describe  # noqa: E402
 
@@ -96,8 +96,8 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
               "residualkv+omnikv": standalone.fork(mode="omnikv", select_budget=args.budget, n_recent=args.recent)}
     lowram_fill_s = {}
     if args.lowram:  # the prompt handed over in one call, as LowRAM's prefill sees it; the fit happens here
-        for name, selective in (("lowram", False), ("lowram-sr", True)):
-            caches[name] = LowRAMCache.from_model(model, selective=selective)
+        for name in args.lowram_methods.split(","):
+            caches[name] = build_cache(name, model)
             lowram_fill_s[name] = fill_from(full, caches[name], ctx, chunk=ctx)
     if args.values_first:  # the same deployments with the values decoded before the softmax (no LatentValues)
         for name in METHODS[1:]:
@@ -175,8 +175,9 @@ def plot(results: list[dict], path: Path, note: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in results]
-    for name, color in zip((*METHODS, "lowram", "lowram-sr"), ("tab:blue", "tab:orange", "tab:green", "tab:red",
-                                                               "tab:purple")):
+    names = [*METHODS, *(n for n in results[0]["methods"] if n.startswith("lowram"))]
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")
+    for name, color in zip(names, colors):
         if name not in results[0]["methods"]:
             continue
         a.plot(ctx, [r["methods"][name]["tokens_per_s"] for r in results], marker="o", label=name, color=color)
@@ -209,7 +210,9 @@ def main(argv=None) -> int:
                    help="also time each ResidualKV deployment with its values decoded before the softmax "
                         "(cache.latent = None), side by side: what decoding them after it (LatentValues) saves")
     p.add_argument("--lowram", action="store_true",
-                   help="also time LowRAM and LowRAM-SR (4x; their 150-step fits to the prompt are not timed as decode)")
+                   help="also time the --lowram-methods (their 150-step fits to the prompt are not timed as decode)")
+    p.add_argument("--lowram-methods", default="lowram,lowram-sr",
+                   help="with --lowram: comma list of LowRAM methods (default: lowram,lowram-sr; e.g. + lowram-sr16)")
     p.add_argument("--budget", type=int, default=2048, help="OmniKV tokens chosen per step (besides sinks/recent)")
     p.add_argument("--recent", type=int, default=128)
     p.add_argument("--threads", type=int, default=1,
@@ -257,7 +260,8 @@ def main(argv=None) -> int:
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_start": load,
                "load_average_end": os.getloadavg(), "machine": platform.machine(), "torch": torch.__version__,
                "commit": describe(ROOT),
-               "values_first_rows": args.values_first, "lowram_rows": args.lowram,
+               "values_first_rows": args.values_first,
+               "lowram_rows": args.lowram_methods.split(",") if args.lowram else False,
                "omnikv": {"select_budget": args.budget, "n_sink": cfg.n_sink, "n_recent": args.recent,
                           "filter_layers": list(cfg.full_attention_layers)},
                "protocol": {"warmup_steps": args.warmup, "rounds": args.repeats, "steps_per_round": args.steps,

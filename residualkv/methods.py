@@ -102,6 +102,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("lowram-sr", "LowRAM-SR at 4x: as lowram, but each decode step rebuilds only the 2048 prompt tokens "
            "(8-token chunks) its query selects by mean-key landmarks; 48 outlier chunks and the last 32 prompt tokens "
            "kept exact, paid from the keys' share of the bytes", False, _lowram(selective=True)),
+    Method("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
+           "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
+           False, _lowram(selective=True, sr_chunk=16, sr_outliers=12)),
     Method("lowram-q-sr", "LowRAM-Q at 5x with selective reconstruction (as lowram-sr)", False,
            _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True)),
     Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
