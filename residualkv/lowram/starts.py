@@ -23,7 +23,6 @@ from ..paths import data_dir
 from ..saved import read_folder, save_folder
 from .values import Predictor
 
-KINDS = ("warm", "meta")
 WEIGHTS, META = "starts.safetensors", "starts.json"
 FORMAT_VERSION = 1
 
