@@ -186,7 +186,8 @@ def plot(results: list[dict], path: Path, note: str) -> None:
                    color=color)
     a.set(xlabel="context tokens", ylabel="decode tokens/s (median)", xscale="log", title="CPU decode speed")
     b.set(xlabel="context tokens", ylabel="tokens reconstructed per step", xscale="log", yscale="log",
-          title="codes decoded + references read, all compressed layers (LowRAM: prompt tokens rebuilt)")
+          title="tokens rebuilt per step, all compressed layers\n(ResidualKV: codes + references; LowRAM: prompt tokens)",
+          )
     for ax in (a, b):
         ax.set_xticks(ctx, [str(c) for c in ctx])
         ax.xaxis.set_minor_formatter(NullFormatter())

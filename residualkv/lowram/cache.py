@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .. import attention
-
 from ..accounting import q_bits
 from ..cache import RowLayout, _GroupedLayer, _position_ids
 from ..codec import model_shape
