@@ -432,3 +432,15 @@ def test_lowram_sr_on_smollm2_reads_a_third_and_keeps_the_continuation(smollm2):
     assert 0.3 < rep["cr"] < 0.4, rep["cr"]  # (32 exact + 128 chosen + 16 window + tail) / (576 + tail)
     # measured: full 2.54, lowram 2.68, LowRAM-SR 2.41 nats/token
     assert nll["sr"] < nll["full"] + 0.3 and nll["sr"] < nll["lowram"] + 0.2, nll
+
+
+def test_selective_decode_refuses_a_model_off_the_hand_off_attention():
+    """The chosen chunks reach attention only through "residualkv_sparse": a model switched back to SDPA
+    would attend over the zero-length stand-ins, so the next layer's update says so."""
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=2, max_position_embeddings=4096)).eval()
+    cfg, ids, cache, _ = _sr_prefill(m)
+    assert cache.layers[0].stores[0].selective is not None
+    m.set_attn_implementation("sdpa")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="install"):
+        m(input_ids=ids[:, -1:], cache=cache, use_cache=True)
