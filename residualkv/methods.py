@@ -105,8 +105,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
            "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
            False, _lowram(selective=True, sr_chunk=16, sr_outliers=12)),
-    Method("lowram-q-sr", "LowRAM-Q at 5x with selective reconstruction (as lowram-sr)", False,
-           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True)),
+    Method("lowram-q-sr16", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 (with the seed's 8-token "
+           "chunks and 48 exact ones, a 4-bit basis at 5x cannot pay for them below ~8K tokens and reads whole)", False,
+           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12)),
     Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
            "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
            _lowram(start="warm"), learnt_starts=True),

@@ -403,7 +403,7 @@ def test_selective_engages_only_where_it_skips_something_and_its_bytes_fit(model
     assert m.config.selective and m.config.ratio == 4.0
     from residualkv.evaluation.harness import build_method_cache
 
-    assert build_method_cache("lowram-q-sr-f3", model).config.fit_steps == 3
+    assert build_method_cache("lowram-q-sr16-f3", model).config.fit_steps == 3
 
 
 def test_lowram_sr_on_smollm2_reads_a_third_and_keeps_the_continuation(smollm2):
