@@ -41,7 +41,8 @@ def window_len(T: int, cfg: LowRAMConfig) -> int:
 
 
 def engages(T: int, cfg: LowRAMConfig) -> bool:
-    """Whether a T-token prompt is read selectively: its chunks outnumber the exact ones plus the budget."""
+    """Whether selection over a T-token prompt would skip something: its chunks outnumber the exact ones
+    plus the budget (whether the bytes can pay for it is cache.selective_fits)."""
     if not cfg.selective:
         return False
     n_chunks = (T - window_len(T, cfg)) // cfg.sr_chunk
