@@ -45,7 +45,7 @@ from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.cli import base_config, context_ids, latest_codec_path, untrained_codec  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
 from residualkv.methods import build_cache  # noqa: E402
-from residualkv.lowram.selective import chunks_selected  # noqa: E402
+from residualkv.lowram.selective import tokens_rebuilt  # noqa: E402
 from trees import describe  # noqa: E402
 
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
@@ -123,7 +123,7 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
             # a step rebuilds each layer's prompt keys (A B) and values (f + residuals): all of them, or with
             # selective reconstruction the chosen chunks (each KV head its own, the same count per head)
             rep = accounting.report(c)
-            rebuilt = [chunks_selected(c.config) * s.selective.chunk if s.selective is not None else s.n_prompt
+            rebuilt = [tokens_rebuilt(c.config) if s.selective is not None else s.n_prompt
                        for s in (layer.stores[0] for layer in c.layers)]
             rec.update({"kr_measured": rep["kr_measured"], "cr": rep["cr"],
                         "tokens_reconstructed_per_step": sum(rebuilt),

@@ -66,6 +66,11 @@ def _cr_per_layer(layers) -> list[float]:
     return [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in layers]
 
 
+def _per_step(layers, steps: int, *fields: int) -> list[int]:
+    """Sum over layers of the given decode_log fields, one entry per decode step."""
+    return [sum(layer.decode_log[t][f] for layer in layers for f in fields) for t in range(steps)]
+
+
 def _sparse_report(cache) -> dict[str, Any]:
     """CR and what the attention path read, per layer and per decode step (see module docstring)."""
     cfg, layers = cache.config, cache.layers
@@ -90,9 +95,6 @@ def _sparse_report(cache) -> dict[str, Any]:
     r_nominal = (sum(r_sel if i > first_chooser else 1.0 for i in sparse_ids) / len(sparse_ids)) if sparse_ids else 1.0
     if cfg.mode == "snapkv":  # survivors are chosen once, from the prompt: no per-step nominal
         r_nominal = r
-    per_step_rec = [sum(layer.decode_log[t][2] + layer.decode_log[t][3] for layer in layers) for t in range(steps)]
-    per_step_att = [sum(layer.decode_log[t][1] for layer in layers) for t in range(steps)]
-    per_step_hist = [sum(layer.decode_log[t][0] for layer in layers) for t in range(steps)]
     rec_layer = {str(i): {"history": sum(e[0] for e in layer.decode_log[:steps]) / steps,
                           "attended": sum(e[1] for e in layer.decode_log[:steps]) / steps,
                           "codes_decoded": sum(e[2] for e in layer.decode_log[:steps]) / steps,
@@ -109,9 +111,9 @@ def _sparse_report(cache) -> dict[str, Any]:
                       "select_budget": cfg.select_budget, "select_ratio": cfg.select_ratio,
                       "n_sink": cfg.n_sink, "n_recent": cfg.n_recent},
         "decode_steps": steps,
-        "history_tokens_per_step": per_step_hist,
-        "tokens_attended_per_step": per_step_att,
-        "tokens_reconstructed_per_step": per_step_rec,
+        "history_tokens_per_step": _per_step(layers, steps, 0),
+        "tokens_attended_per_step": _per_step(layers, steps, 1),
+        "tokens_reconstructed_per_step": _per_step(layers, steps, 2, 3),
         "reconstruction_per_layer_per_step": rec_layer,
         "evicted_tokens": sum(c["evicted_refs"] + c["evicted_codes"] for c in evicted.values()),
         "eviction": {"irreversible": bool(evicted), "per_layer": {str(k): v for k, v in sorted(evicted.items())},
@@ -147,8 +149,8 @@ def _report_lowram(cache) -> dict[str, Any]:
                          "attended (prompts too short to select from are read whole)") if cfg.selective else
                         "decode steps; every stored token is rebuilt and attended",
             "decode_steps": steps,
-            "history_tokens_per_step": [sum(layer.decode_log[t][0] for layer in cache.layers) for t in range(steps)],
-            "tokens_attended_per_step": [sum(layer.decode_log[t][1] for layer in cache.layers) for t in range(steps)],
+            "history_tokens_per_step": _per_step(cache.layers, steps, 0),
+            "tokens_attended_per_step": _per_step(cache.layers, steps, 1),
             "selective": {"engaged_stores": sum(s.selective is not None for s in stores), "stores": len(stores),
                           "chunk": cfg.sr_chunk, "budget": cfg.sr_budget, "outlier_chunks": cfg.sr_outliers,
                           "window": cfg.sr_window} if cfg.selective else None,

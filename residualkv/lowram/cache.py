@@ -31,7 +31,7 @@ from ..quant import Packed, dequantize, pack_bits, quantize, unpack_bits
 from ..rope import RopeTable, apply_rope, invert_rope
 from ..stores import flat_heads, nbytes_of, sum_bytes
 from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
-from .selective import Selective, chunks_selected, extra_bytes
+from .selective import Selective, chunks_selected, extra_bytes, tokens_rebuilt
 from .starts import PredictorStarts
 from .values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 
@@ -189,18 +189,20 @@ def predictor_bytes(H: int, D: int, cfg: LowRAMConfig) -> int:
     return H * (2 * D * F + F + D + D * D) * 2
 
 
-def selective_fits(T: int, H: int, D: int, G: int, cfg: LowRAMConfig) -> bool:
-    """Whether a T-token prompt of an xKV group of G layers reads selectively: selection would skip
-    something, the keys' share still leaves the basis one rank step after the landmarks and exact keys,
-    and the values' share holds the exact values after the predictors and the residual mask."""
+def selective_bytes(T: int, H: int, D: int, G: int, cfg: LowRAMConfig) -> tuple[int, int]:
+    """Per row and layer, the (keys' side, values' side) bytes selective reconstruction holds for a
+    T-token prompt of an xKV group of G layers, or (0, 0) where it does not engage: off, selection would
+    skip nothing, or the shares cannot pay (the keys' must leave the basis one rank step after the
+    landmarks and exact keys, the values' must hold the exact values after the predictors and the mask)."""
     key_extra, value_extra = extra_bytes(T, H, D, cfg)
     if not key_extra:
-        return False
+        return 0, 0
     n = G * H * D
     a_bytes, multiple = _basis_rank_step(cfg)
     keys_left = 2 * T * n / cfg.ratio - G * key_extra
     values_left = T * H * D * 2 / cfg.ratio - predictor_bytes(H, D, cfg) - H * ((T + 7) // 8) - value_extra
-    return keys_left >= multiple * (T * a_bytes + 2 * n) and values_left >= 0
+    fits = keys_left >= multiple * (T * a_bytes + 2 * n) and values_left >= 0
+    return (key_extra, value_extra) if fits else (0, 0)
 
 
 def factorise_keys(k_pre: list[torch.Tensor], cfg: LowRAMConfig, generator: torch.Generator,
@@ -229,8 +231,7 @@ def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[tor
     residuals; returns the key rank. `starts` holds, per layer, a saved start [H, ...] or Slim's
     (w_lin, b2), from which W1 is drawn here."""
     R, H, T, D = stores[0].shape
-    selective = cfg.selective and selective_fits(T, H, D, len(stores), cfg)
-    key_extra, value_extra = extra_bytes(T, H, D, cfg) if selective else (0, 0)
+    key_extra, value_extra = selective_bytes(T, H, D, len(stores), cfg)
     basis, factors, rank = factorise_keys([s.pending[0] for s in stores], cfg, generator,
                                           reserved=len(stores) * key_extra)
     hidden = max(1, round(cfg.hidden_factor * D))
@@ -243,7 +244,7 @@ def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[tor
         f = fit_predictor(keys, v, start, steps=cfg.fit_steps, lr=cfg.lr).to(torch.float16)
         resid = v - f(keys)
         err = resid.pow(2).sum(-1)
-        if selective:
+        if key_extra:
             store.selective = Selective.build(store.k_post, store.pending[1], cfg)
             err.view(R, H, T).scatter_(2, store.selective.exact_tokens(), 0.0)  # stored exact: no residual
         mask_bytes = H * ((T + 7) // 8)
@@ -294,7 +295,7 @@ class LowRAMLayer(_GroupedLayer):
             sr = store.selective
             if sr is not None:
                 R = k_new.shape[0]
-                read += R * (sr.out_k.shape[2] + chunks_selected(self.config) * sr.chunk + sr.win_k.shape[2]
+                read += R * (sr.out_k.shape[2] + tokens_rebuilt(self.config) + sr.win_k.shape[2]
                              + store.n - 1 - store.n_prompt)
             else:
                 read += k_new.shape[0] * (store.n - 1)

@@ -18,7 +18,7 @@ from the keys' share (the key rank shrinks; the seed deducts them from the rank,
 exact values from the values' share (fewer residuals; none is spent on a token stored exact). The
 landmarks alone are an eighth of the FP16 keys, half the keys' share at 4x; the exact chunks weigh
 less the longer the prompt. Selection engages only where it would skip something (more chunks than
-the exact ones plus the budget) and where both shares can pay for it (cache.selective_fits); other
+the exact ones plus the budget) and where both shares can pay for it (cache.selective_bytes); other
 prompts are read whole, as plain LowRAM, and the accounting report counts the stores that engaged.
 Not built: the seed's persistent buffer that reuses the previous step's reconstruction.
 """
@@ -42,7 +42,7 @@ def window_len(T: int, cfg: LowRAMConfig) -> int:
 
 def engages(T: int, cfg: LowRAMConfig) -> bool:
     """Whether selection over a T-token prompt would skip something: its chunks outnumber the exact ones
-    plus the budget (whether the bytes can pay for it is cache.selective_fits)."""
+    plus the budget (whether the bytes can pay for it is cache.selective_bytes)."""
     if not cfg.selective:
         return False
     n_chunks = (T - window_len(T, cfg)) // cfg.sr_chunk
@@ -51,6 +51,11 @@ def engages(T: int, cfg: LowRAMConfig) -> bool:
 
 def chunks_selected(cfg: LowRAMConfig) -> int:
     return -(-cfg.sr_budget // cfg.sr_chunk)
+
+
+def tokens_rebuilt(cfg: LowRAMConfig) -> int:
+    """Prompt tokens a selective step rebuilds per (row, KV head): the chosen chunks, whole."""
+    return chunks_selected(cfg) * cfg.sr_chunk
 
 
 def extra_bytes(T: int, H: int, D: int, cfg: LowRAMConfig) -> tuple[int, int]:
@@ -124,4 +129,4 @@ def chunk_tokens(chunks: torch.Tensor, size: int) -> torch.Tensor:
     return (chunks[..., None] * size + torch.arange(size, device=chunks.device)).flatten(-2)
 
 
-__all__ = ["Selective", "chunk_tokens", "chunks_selected", "engages", "extra_bytes", "window_len"]
+__all__ = ["Selective", "chunk_tokens", "chunks_selected", "engages", "extra_bytes", "tokens_rebuilt", "window_len"]
