@@ -6,7 +6,7 @@ need a trained codec say so; ResidualKV† needs none (quantised raw residuals, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from transformers import DynamicCache
@@ -23,9 +23,11 @@ class Method:
     name: str
     description: str
     needs_codec: bool
-    build: Callable[..., Any]  # (model, codec, base_config) -> Cache
-    overrides: dict[str, Any] = field(default_factory=dict)
+    build: Callable[..., Any]  # (model, codec, base_config[, changes]) -> Cache
     learnt_starts: bool = False  # reads `rkv lowram-init`'s saved starts: run only when named
+    # where build_cache's field changes go: "base" (the backbone's ResidualKVConfig, passed as base),
+    # "codec" (also handed to build, which applies them over the codec's own config), "lowram" (LowRAMConfig)
+    changes: str = "base"
 
 
 def _full(model, codec, base):
@@ -45,7 +47,6 @@ def _residual(**overrides):
     def build(model, codec, base, changes=None):
         # the codec's own config (it was trained with that schedule), the caller's changes, the method's mode
         return ResidualKVCache.from_model(model, codec, codec.config.replace(**{**(changes or {}), **overrides}))
-    build.takes_changes = True
     return build
 
 
@@ -72,7 +73,6 @@ def _lowram(**fields):
     def build(model, codec, base, changes=None):
         # LowRAM has its own config: the caller's changes are LowRAMConfig fields (e.g. fit_steps)
         return LowRAMCache.from_model(model, LowRAMConfig(**fields).replace(**(changes or {})))
-    build.takes_changes = "lowram"
     return build
 
 
@@ -88,36 +88,36 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("snapkv-10", "SnapKV keeping 10% of the prompt", False, _snapkv(0.1)),
     Method("omnikv", "OmniKV dynamic selection on the FP16 full cache (no compression, KR = 100%)", False, _omnikv),
     Method("residualkv", "ResidualKV + OmniKV (default deployment): trained codec, INT4 latents, sparse layers "
-           "reconstruct only the tokens the filter layers select", True, _residual(bits=4, mode="omnikv")),
+           "reconstruct only the tokens the filter layers select", True, _residual(bits=4, mode="omnikv"), changes="codec"),
     Method("residualkv-standalone", "ResidualKV standalone: trained codec, INT4 latents, every token reconstructed "
-           "(CR = 100%)", True, _residual(bits=4, mode="standalone")),
+           "(CR = 100%)", True, _residual(bits=4, mode="standalone"), changes="codec"),
     Method("residualkv-snapkv", "ResidualKV + SnapKV: trained codec, INT4 latents, compressed layers keep only "
            "SnapKV's survivors after the prompt plus the references they need (irreversible)", True,
-           _residual(bits=4, mode="snapkv")),
-    Method("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", True, _residual(bits=2, mode="standalone")),
+           _residual(bits=4, mode="snapkv"), changes="codec"),
+    Method("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", True, _residual(bits=2, mode="standalone"), changes="codec"),
     Method("lowram", "LowRAM (seed 003) at 4x: xKV low-rank keys (groups of 4 layers), values from a predictor fitted "
-           "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training", False, _lowram()),
+           "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training", False, _lowram(), changes="lowram"),
     Method("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",
-           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2)),
+           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2), changes="lowram"),
     Method("lowram-sr", "LowRAM-SR at 4x: as lowram, but each decode step rebuilds only the 2048 prompt tokens "
            "(8-token chunks) its query selects by mean-key landmarks; 48 outlier chunks and the last 32 prompt tokens "
-           "kept exact, paid from the keys' share of the bytes", False, _lowram(selective=True)),
+           "kept exact, paid from the keys' share of the bytes", False, _lowram(selective=True), changes="lowram"),
     Method("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
            "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
-           False, _lowram(selective=True, sr_chunk=16, sr_outliers=12)),
+           False, _lowram(selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),
     Method("lowram-q-sr16", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 (with the seed's 8-token "
            "chunks and 48 exact ones, a 4-bit basis at 5x cannot pay for them below ~8K tokens and reads whole)", False,
-           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12)),
+           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),
     Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
            "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
-           _lowram(start="warm"), learnt_starts=True),
+           _lowram(start="warm"), learnt_starts=True, changes="lowram"),
     Method("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "
-           "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2), learnt_starts=True),
+           "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2), learnt_starts=True, changes="lowram"),
     Method("lowram-meta-sr", "LowRAM at 4x fitted in 2 steps from the meta-learned start, with selective "
            "reconstruction: the seed's fast prefill and fast decode together", False,
-           _lowram(start="meta", fit_steps=2, selective=True), learnt_starts=True),
+           _lowram(start="meta", fit_steps=2, selective=True), learnt_starts=True, changes="lowram"),
     Method("lowram-q-meta", "LowRAM-Q at 5x fitted in 2 Adam steps from the meta-learned start",
-           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2), learnt_starts=True),
+           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2), learnt_starts=True, changes="lowram"),
 ]}
 
 
@@ -144,12 +144,12 @@ def build_cache(name: str, model, codec: ResidualCodec | None = None, base: Resi
         base = codec.config if codec is not None else ResidualKVConfig()
     if not changes:
         return method.build(model, codec, base)
-    if getattr(method.build, "takes_changes", False) == "lowram":
+    if method.changes == "lowram":
         return method.build(model, codec, base, changes)
     if "mode" in changes:
         raise ValueError("the deployment mode comes with the method name (residualkv = + OmniKV, residualkv-standalone, "
                          "residualkv-snapkv, omnikv); do not pass mode=")
     base = base.replace(**changes)
-    if getattr(method.build, "takes_changes", False):  # codec methods read their config from the codec
+    if method.changes == "codec":  # codec methods read their config from the codec
         return method.build(model, codec, base, changes)
     return method.build(model, codec, base)
