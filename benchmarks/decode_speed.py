@@ -45,7 +45,6 @@ from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.cli import base_config, context_ids, latest_codec_path, untrained_codec  # noqa: E402
 from residualkv.codec import ResidualCodec  # noqa: E402
 from residualkv.methods import build_cache  # noqa: E402
-from residualkv.lowram.selective import tokens_rebuilt  # noqa: E402
 from trees import describe  # noqa: E402
 
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
@@ -121,12 +120,15 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
         rec = {"median_step_s": med, "tokens_per_s": 1.0 / med, "step_times_s": times[name]}
         if name.startswith("lowram"):
             # a step rebuilds each layer's prompt keys (A B) and values (f + residuals): all of them, or with
-            # selective reconstruction the chosen chunks (each KV head its own, the same count per head)
+            # selective reconstruction the chosen chunks (with the reuse buffer, those the step before lacked),
+            # as counted by the cache
             rep = accounting.report(c)
-            rebuilt = [tokens_rebuilt(c.config) if s.selective is not None else s.n_prompt
-                       for s in (layer.stores[0] for layer in c.layers)]
+            sel = rep["selective"]
+            rebuilt = (statistics.mean(sel["tokens_rebuilt_per_step"][steps_before[name]:]) if sel is not None
+                       else sum(layer.stores[0].n_prompt for layer in c.layers))
             rec.update({"kr_measured": rep["kr_measured"], "cr": rep["cr"],
-                        "tokens_reconstructed_per_step": sum(rebuilt),
+                        "tokens_reconstructed_per_step": rebuilt,
+                        "reuse_buffer_vs_fp16": sel["reuse_buffer_vs_fp16"] if sel is not None else 0.0,
                         "tokens_attended_per_step_all_layers": statistics.mean(
                             rep["tokens_attended_per_step"][steps_before[name]:])})
         elif name != "full":

@@ -166,6 +166,10 @@ class LowRAMConfig:
     sr_budget: int = 2048
     sr_outliers: int = 48
     sr_window: int = 32
+    # the seed's persistent buffer: keep the rebuilt chunks (FP16) and rebuild only those the next step's
+    # selection adds. Working memory beside the stored bytes (sr_budget tokens per layer, row and KV head),
+    # reported by the accounting, not in KR; decode reads the same values either way (up to FP16 rounding)
+    sr_reuse: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -188,6 +192,9 @@ class LowRAMConfig:
         _check(self.sr_budget >= 1, "sr_budget", self.sr_budget, "rebuild 1 or more tokens per step (seed: 2048)")
         _check(self.sr_outliers >= 0, "sr_outliers", self.sr_outliers, "keep 0 or more exact chunks (seed: 48)")
         _check(self.sr_window >= 0, "sr_window", self.sr_window, "keep 0 or more recent prompt tokens exact (seed: 32)")
+        _check(isinstance(self.sr_reuse, bool), "sr_reuse", self.sr_reuse, "use True or False")
+        _check(not self.sr_reuse or self.selective, "sr_reuse", self.sr_reuse,
+               "the reuse buffer belongs to selective reconstruction: set selective=True too, or drop sr_reuse")
 
     def replace(self, **changes: Any) -> "LowRAMConfig":
         return _replace(self, changes)

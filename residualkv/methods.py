@@ -25,6 +25,7 @@ class Method:
     needs_codec: bool
     build: Callable[..., Any]  # (model, codec, base_config[, changes]) -> Cache
     learnt_starts: bool = False  # reads `rkv lowram-init`'s saved starts: run only when named
+    in_default: bool = True  # False: a bare `rkv eval` leaves it out (run only when named)
     # where build_cache's field changes go: "base" (the backbone's ResidualKVConfig, passed as base),
     # "codec" (also handed to build, which applies them over the codec's own config), "lowram" (LowRAMConfig)
     changes: str = "base"
@@ -102,6 +103,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("lowram-sr", "LowRAM-SR at 4x: as lowram, but each decode step rebuilds only the 2048 prompt tokens "
            "(8-token chunks) its query selects by mean-key landmarks; 48 outlier chunks and the last 32 prompt tokens "
            "kept exact, paid from the keys' share of the bytes", False, _lowram(selective=True), changes="lowram"),
+    Method("lowram-sr-reuse", "LowRAM-SR as lowram-sr with the seed's persistent buffer: the rebuilt chunks are kept "
+           "(FP16 working memory beside the stored bytes, reported) and a step rebuilds only those its selection adds",
+           False, _lowram(selective=True, sr_reuse=True), changes="lowram",
+           in_default=False),  # reads what lowram-sr reads (up to FP16 rounding): a decode-speed variant
     Method("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
            "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
            False, _lowram(selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),

@@ -11,6 +11,7 @@ from residualkv.config import ConfigError, LowRAMConfig
 from residualkv.lowram import LowRAMCache
 from residualkv.lowram.cache import LowRAMStore, predictor_bytes
 from residualkv.lowram.keys import fit_layer_factors, low_rank_basis, rank_for_ratio
+from residualkv.lowram.selective import chunk_tokens
 from residualkv.lowram.values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 from residualkv.methods import build_cache
 from residualkv.quant import Packed, unpack_bits
@@ -404,6 +405,64 @@ def test_selective_engages_only_where_it_skips_something_and_its_bytes_fit(model
     from residualkv.evaluation.harness import build_method_cache
 
     assert build_method_cache("lowram-q-sr16-f3", model).config.fit_steps == 3
+
+
+def test_reuse_buffer_rebuilds_only_new_chunks_and_reads_what_a_fresh_rebuild_reads(model):
+    """The seed's persistent buffer: a step copies the chunks the step before rebuilt and rebuilds only
+    the others (as many per KV head as the head that misses most); what attention reads is a fresh
+    rebuild's rows up to FP16 rounding, in the order of the selection."""
+    cfg, _, cache, _ = _sr_prefill(model)
+    layer = cache.layers[3]
+    store, sr = layer.stores[0], layer.stores[0].selective
+    pos = cache.rows.positions[:, :700]
+    torch.manual_seed(2)
+    q0 = torch.randn(1, 4, 1, 16)
+    calls = []
+
+    def rebuild(tok):
+        calls.append(tok.shape[-1])
+        return store._rebuild(tok, pos, layer.rope)
+
+    for i, q in enumerate([q0, q0 + 0.3 * torch.randn_like(q0), -q0, -q0]):
+        chunks = sr.choose_chunks(q, 16, 0.25)
+        k, v = sr.gather(chunks, rebuild, reuse=True)
+        fk, fv = store._rebuild(chunk_tokens(chunks, 8), pos, layer.rope)
+        assert torch.equal(k, fk.half().float()) and torch.equal(v, fv.half().float())
+        prev = chunks if i == 0 else prev
+        missing = int((~(chunks[..., :, None] == prev[..., None, :]).any(-1)).sum(-1).max())
+        assert sr.rebuilt == (128 if i == 0 else missing * 8), i
+        assert calls[-1] == sr.rebuilt or sr.rebuilt == 0
+        prev = chunks
+    assert calls[0] == 128 and 0 < calls[1] < 128 and sr.rebuilt == 0  # a repeated query rebuilds nothing
+    assert len(calls) == 3 and torch.equal(sr.buffer[0], chunks)
+
+
+def test_reuse_buffer_decodes_as_without_it_and_is_reported_beside_kr(model):
+    ids = _ids(700, seed=3)
+    outs, reps = {}, {}
+    for reuse in (False, True):
+        cache = LowRAMCache.from_model(model, LowRAMConfig(ratio=2.0, **SR, sr_reuse=reuse))
+        with torch.no_grad():
+            outs[reuse] = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache,
+                                         output_logits=True, return_dict_in_generate=True)
+        reps[reuse] = accounting.report(cache)
+    assert outs[True].sequences.tolist() == outs[False].sequences.tolist()
+    assert torch.allclose(torch.stack(outs[True].logits), torch.stack(outs[False].logits), atol=1e-3)
+    on, off = reps[True], reps[False]
+    assert on["kr_measured"] == off["kr_measured"] and on["bytes"] == off["bytes"]
+    # 7 decode steps; without the buffer every step rebuilds the budget in each of the 5 layers
+    assert off["selective"]["tokens_rebuilt_per_step"] == [5 * 128] * 7
+    assert on["selective"]["tokens_rebuilt_per_step"][0] == 5 * 128
+    assert sum(on["selective"]["tokens_rebuilt_per_step"][1:]) < 6 * 5 * 128
+    # 5 layers x 2 KV heads x (16 chunk ids + 128 tokens x 16 dims x K and V in FP16)
+    assert on["selective"]["reuse_buffer_bytes"] == 5 * 2 * (16 * 8 + 128 * 16 * 2 * 2)
+    assert off["selective"]["reuse_buffer_bytes"] == 0
+    with pytest.raises(ConfigError, match="sr_reuse"):
+        LowRAMConfig(sr_reuse=True)
+    assert build_cache("lowram-sr-reuse", model).config.sr_reuse
+    from residualkv.evaluation.cli import default_methods
+
+    assert "lowram-sr-reuse" not in default_methods().split(",")  # a speed variant: run when named
 
 
 def test_lowram_sr_on_smollm2_reads_a_third_and_keeps_the_continuation(smollm2):

@@ -19,11 +19,11 @@ from pathlib import Path
 
 
 def default_methods() -> str:
-    """Every registered method but those that need `rkv lowram-init` first, plus the SnapKV baseline when
-    the registry does not list it yet."""
+    """Every registered method but those that need `rkv lowram-init` first or are run only when named, plus
+    the SnapKV baseline when the registry does not list it yet."""
     from ..methods import METHODS
 
-    names = [name for name, m in METHODS.items() if not m.learnt_starts]
+    names = [name for name, m in METHODS.items() if m.in_default and not m.learnt_starts]
     return ",".join(names + ([] if "snapkv" in names else ["snapkv"]))
 
 

@@ -117,13 +117,21 @@ class LowRAMStore:
         return self._with_tail(k, v)
 
     def read_selected(self, query: torch.Tensor, positions: torch.Tensor, rope: RopeTable, n_select: int,
-                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      scaling: float, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """LowRAM-SR: keys and values [R, H, L, D] float32 of the exact chunks, the `n_select` chunks the
-        queries [R, Hq, 1, D] select (rebuilt: A B rotated at their `positions`, f + their residuals),
-        the exact window and the tail. Only the selected rows of A and of the residuals are decoded."""
+        queries [R, Hq, 1, D] select (rebuilt, or with `reuse` partly copied from the previous step's
+        buffer), the exact window and the tail."""
         sr = self.selective
+        chunks = sr.choose_chunks(query, n_select, scaling)
+        k, v = sr.gather(chunks, lambda tok: self._rebuild(tok, positions, rope), reuse)
+        k = torch.cat([sr.out_k.float(), k, sr.win_k.float()], dim=2)
+        v = torch.cat([sr.out_v.float(), v, sr.win_v.float()], dim=2)
+        return self._with_tail(k, v)
+
+    def _rebuild(self, tok: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (A B rotated at their `positions`) and values (f + their residuals) [R, H, n, D] float32 of
+        prompt tokens `tok` [R, H, n]: only those rows of A and of the residuals are decoded."""
         R, H, T, D = self.shape
-        tok = sr.choose(query, n_select, scaling)  # [R, H, n]
         n = tok.shape[-1]
         a = self.basis.rows(tok.reshape(R, H * n)).view(R, H, n, -1)
         kp = a @ self.factors.float().view(R, -1, H, D).transpose(1, 2)  # [R, H, n, D]
@@ -135,9 +143,7 @@ class LowRAMStore:
             has = unpack_bits(self.mask, 1)[:, :T]
             rank = has.cumsum(1, dtype=torch.int32).sub_(1).gather(1, tok).clamp_(min=0).long()
             v += self.residuals.rows(rank) * has.gather(1, tok)[..., None]
-        k = torch.cat([sr.out_k.float(), k.view(R, H, n, D), sr.win_k.float()], dim=2)
-        v = torch.cat([sr.out_v.float(), v.view(R, H, n, D), sr.win_v.float()], dim=2)
-        return self._with_tail(k, v)
+        return k.view(R, H, n, D), v.view(R, H, n, D)
 
     def _with_tail(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.n > self.n_prompt:
@@ -262,6 +268,11 @@ class LowRAMLayer(_GroupedLayer):
     def __init__(self, rope: RopeTable, config: LowRAMConfig):
         self.rope, self.config = rope, config
         super().__init__()
+        self.rebuilt_log: list[int] = []  # per selective decode step: prompt tokens rebuilt, summed over rows
+
+    def reset(self) -> None:
+        super().reset()
+        self.rebuilt_log = []
 
     def _new_store(self) -> LowRAMStore:
         return LowRAMStore()
@@ -308,21 +319,30 @@ class LowRAMLayer(_GroupedLayer):
         group's store holds only its real tokens, so no padding mask is needed; one query, no causal one."""
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = torch.empty_like(query)
+        rebuilt = 0
         for grp, store in zip(rows.groups, self.stores):
             r = grp.rows.to(query.device)
             q = query[r]
             pos = rows.positions[r, grp.start:]
-            T = store.n_prompt
+            R, _, T, _ = store.shape
             if store.selective is not None:
-                k, v = store.read_selected(q, pos[:, :T], self.rope, chunks_selected(self.config), scaling)
+                k, v = store.read_selected(q, pos[:, :T], self.rope, chunks_selected(self.config), scaling,
+                                           reuse=self.config.sr_reuse)
+                rebuilt += R * store.selective.rebuilt
             else:
                 cos, sin = self.rope.cos_sin(pos[:, :T], torch.float32)
                 k, v = store.read(cos, sin)
+                rebuilt += R * T
             out[r] = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling, enable_gqa=True)
+        self.rebuilt_log.append(rebuilt)
         return out.transpose(1, 2).contiguous()
 
     def nbytes(self) -> dict[str, int]:
         return sum_bytes(s.nbytes() for s in self.stores)
+
+    def buffer_bytes(self) -> int:
+        """LowRAM-SR's reuse buffers: working memory, not stored bytes (see selective.py)."""
+        return sum(s.selective.buffer_bytes() for s in self.stores if s.selective is not None)
 
 
 class LowRAMCache(Cache):

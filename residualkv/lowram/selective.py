@@ -20,7 +20,10 @@ landmarks alone are an eighth of the FP16 keys, half the keys' share at 4x; the 
 less the longer the prompt. Selection engages only where it would skip something (more chunks than
 the exact ones plus the budget) and where both shares can pay for it (cache.selective_bytes); other
 prompts are read whole, as plain LowRAM, and the accounting report counts the stores that engaged.
-Not built: the seed's persistent buffer that reuses the previous step's reconstruction.
+With `sr_reuse` (the seed's persistent buffer) the rebuilt chunks are kept in FP16 between steps and a
+step rebuilds only the chunks its selection adds (for every KV head the largest count of any head, so
+the rebuild stays one batched call); consecutive steps of SmolLM2 at 8K share ~84% of their chunks.
+The buffer is working memory (it can be rebuilt from the stored bytes), reported beside KR, not in it.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ class Selective:
     out_v: torch.Tensor
     win_k: torch.Tensor  # [R, H, w, D] FP16: the prompt's last w tokens, post-RoPE
     win_v: torch.Tensor
+    # sr_reuse: the previous step's chunk ids [R, H, n] and their rebuilt keys, values [R, H, n · chunk, D] FP16
+    buffer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    rebuilt: int = 0  # tokens the last step rebuilt per row (every KV head rebuilds as many)
 
     @classmethod
     def build(cls, k_post: torch.Tensor, v: torch.Tensor, cfg: LowRAMConfig) -> "Selective":
@@ -109,14 +115,49 @@ class Selective:
         k.scatter_(2, idx, torch.cat([self.out_k, self.win_k], dim=2).float())
         v.scatter_(2, idx, torch.cat([self.out_v, self.win_v], dim=2).float())
 
-    def choose(self, query: torch.Tensor, n_select: int, scaling: float) -> torch.Tensor:
-        """Token ids [R, H, n_select · chunk] of the chunks the step's queries [R, Hq, 1, D] want most
-        (softmax over chunks per query head, max over the query heads of each KV head), outliers excluded."""
+    def choose_chunks(self, query: torch.Tensor, n_select: int, scaling: float) -> torch.Tensor:
+        """Chunk ids [R, H, n_select] the step's queries [R, Hq, 1, D] want most (softmax over chunks per
+        query head, max over the query heads of each KV head), outliers excluded."""
         R, H, C, D = self.landmarks.shape
         q = query.float().reshape(R, H, -1, D) * scaling  # query head j reads KV head j // (Hq / H)
         p = torch.softmax(q @ self.landmarks.float().mT, dim=-1).amax(dim=2)  # [R, H, C]
         p.scatter_(-1, self.outliers.long(), -1.0)
-        return chunk_tokens(p.topk(n_select, dim=-1).indices, self.chunk)
+        return p.topk(n_select, dim=-1).indices
+
+    def choose(self, query: torch.Tensor, n_select: int, scaling: float) -> torch.Tensor:
+        """Token ids [R, H, n_select · chunk] of `choose_chunks`."""
+        return chunk_tokens(self.choose_chunks(query, n_select, scaling), self.chunk)
+
+    def gather(self, chunks: torch.Tensor, rebuild, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [R, H, n · chunk, D] of the chosen chunks [R, H, n]; `rebuild(token ids)` decodes
+        tokens from the stored bytes. With `reuse`, chunks the previous step rebuilt are copied from the
+        buffer and only the others are rebuilt (as many per KV head as the head that misses most)."""
+        c = self.chunk
+        old = self.buffer if reuse else None
+        if old is None or old[0].shape != chunks.shape:
+            k, v = rebuild(chunk_tokens(chunks, c))
+            self.rebuilt = chunks.shape[-1] * c
+            if not reuse:
+                return k, v
+            k, v = k.to(torch.float16), v.to(torch.float16)
+        else:
+            hit = chunks[..., :, None] == old[0][..., None, :]  # [R, H, n, n_old]
+            found = hit.any(-1)
+            src = chunk_tokens(hit.to(torch.uint8).argmax(-1), c)[..., None].expand(-1, -1, -1, old[1].shape[-1])
+            k, v = old[1].gather(2, src), old[2].gather(2, src)
+            m = int((~found).sum(-1).max())
+            if m:
+                slots = torch.argsort(found.to(torch.uint8), dim=-1, stable=True)[..., :m]  # misses first
+                kr, vr = rebuild(chunk_tokens(chunks.gather(-1, slots), c))
+                rows = chunk_tokens(slots, c)[..., None].expand_as(kr)
+                k.scatter_(2, rows, kr.to(torch.float16))
+                v.scatter_(2, rows, vr.to(torch.float16))
+            self.rebuilt = m * c
+        self.buffer = (chunks, k, v)
+        return k.float(), v.float()
+
+    def buffer_bytes(self) -> int:
+        return 0 if self.buffer is None else nbytes_of(*self.buffer)
 
     def nbytes(self) -> dict[str, int]:
         return {"sr_landmarks": nbytes_of(self.landmarks),
