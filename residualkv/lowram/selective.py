@@ -129,32 +129,40 @@ class Selective:
         return chunk_tokens(self.choose_chunks(query, n_select, scaling), self.chunk)
 
     def gather(self, chunks: torch.Tensor, rebuild, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [R, H, n · chunk, D] of the chosen chunks [R, H, n]; `rebuild(token ids)` decodes
-        tokens from the stored bytes. With `reuse`, chunks the previous step rebuilt are copied from the
-        buffer and only the others are rebuilt (as many per KV head as the head that misses most)."""
+        """Keys and values [R, H, n · chunk, D] float32 of the chosen chunks [R, H, n]; `rebuild(token ids)`
+        decodes tokens from the stored bytes. With `reuse` they come from the buffer, whose slots keep
+        their chunk while it stays chosen: a new chunk is rebuilt into a slot the step freed (as many per
+        KV head as the head with most new ones; the others rebuild one of their own in place), so the
+        order is the buffer's, not the selection's (attention does not depend on it)."""
         c = self.chunk
-        old = self.buffer if reuse else None
-        if old is None or old[0].shape != chunks.shape:
+        if not reuse or self.buffer is None or self.buffer[0].shape != chunks.shape:
             k, v = rebuild(chunk_tokens(chunks, c))
             self.rebuilt = chunks.shape[-1] * c
             if not reuse:
                 return k, v
-            k, v = k.to(torch.float16), v.to(torch.float16)
-        else:
-            hit = chunks[..., :, None] == old[0][..., None, :]  # [R, H, n, n_old]
-            found = hit.any(-1)
-            src = chunk_tokens(hit.to(torch.uint8).argmax(-1), c)[..., None].expand(-1, -1, -1, old[1].shape[-1])
-            k, v = old[1].gather(2, src), old[2].gather(2, src)
-            m = int((~found).sum(-1).max())
-            if m:
-                slots = torch.argsort(found.to(torch.uint8), dim=-1, stable=True)[..., :m]  # misses first
-                kr, vr = rebuild(chunk_tokens(chunks.gather(-1, slots), c))
-                rows = chunk_tokens(slots, c)[..., None].expand_as(kr)
-                k.scatter_(2, rows, kr.to(torch.float16))
-                v.scatter_(2, rows, vr.to(torch.float16))
-            self.rebuilt = m * c
-        self.buffer = (chunks, k, v)
-        return k.float(), v.float()
+            self.buffer = (chunks.clone(), k.to(torch.float16), v.to(torch.float16))
+            return self.buffer[1].float(), self.buffer[2].float()  # every step reads the buffer's FP16
+        ids, bk, bv = self.buffer
+        # per (row, KV head) and chunk of the prompt: the slot holding it (-1: none), and whether it is chosen
+        slot_of = torch.full(self.landmarks.shape[:3], -1, dtype=torch.long, device=ids.device)
+        slot_of.scatter_(-1, ids, torch.arange(ids.shape[-1], device=ids.device).expand_as(ids))
+        chosen = torch.zeros(self.landmarks.shape[:3], dtype=torch.bool, device=ids.device)
+        chosen.scatter_(-1, chunks, True)
+        own = slot_of.gather(-1, chunks)  # [R, H, chosen]
+        found, kept = own >= 0, chosen.gather(-1, ids)
+        m = int((~found).sum(-1).max())
+        if m:
+            order = torch.argsort(found.to(torch.uint8), dim=-1, stable=True)[..., :m]  # new chunks first
+            new = chunks.gather(-1, order)
+            freed = torch.argsort(kept.to(torch.uint8), dim=-1, stable=True)[..., :m]  # freed slots first
+            slots = torch.where(found.gather(-1, order), own.gather(-1, order), freed)
+            ids.scatter_(-1, slots, new)
+            kr, vr = rebuild(chunk_tokens(new, c))
+            rows = chunk_tokens(slots, c)[..., None].expand_as(kr)
+            bk.scatter_(2, rows, kr.to(torch.float16))
+            bv.scatter_(2, rows, vr.to(torch.float16))
+        self.rebuilt = m * c
+        return bk.float(), bv.float()
 
     def buffer_bytes(self) -> int:
         return 0 if self.buffer is None else nbytes_of(*self.buffer)
