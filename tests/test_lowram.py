@@ -316,7 +316,7 @@ def test_selective_read_chooses_by_landmarks_and_with_every_chunk_equals_the_who
     q = torch.randn(1, 4, 1, 16)
     pos = cache.rows.positions[:, :700]
     # the chosen chunks: per KV head, the best by softmax(q . landmark) max-pooled over its 2 query heads
-    tok = sr.choose(q, 16, 0.25)
+    tok = chunk_tokens(sr.choose_chunks(q, 16, 0.25), 8)
     p = torch.softmax(q.view(1, 2, 2, 16) * 0.25 @ sr.landmarks.float().mT, -1).amax(2)
     p.scatter_(-1, sr.outliers.long(), -1.0)
     best = p.topk(16, -1).indices

@@ -119,8 +119,8 @@ class LowRAMStore:
     def read_selected(self, query: torch.Tensor, positions: torch.Tensor, rope: RopeTable, n_select: int,
                       scaling: float, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """LowRAM-SR: keys and values [R, H, L, D] float32 of the exact chunks, the `n_select` chunks the
-        queries [R, Hq, 1, D] select (rebuilt, or with `reuse` partly copied from the previous step's
-        buffer), the exact window and the tail."""
+        queries [R, Hq, 1, D] select (rebuilt; with `reuse` only those the buffer does not hold yet),
+        the exact window and the tail."""
         sr = self.selective
         chunks = sr.choose_chunks(query, n_select, scaling)
         k, v = sr.gather(chunks, lambda tok: self._rebuild(tok, positions, rope), reuse)

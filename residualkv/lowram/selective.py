@@ -84,7 +84,7 @@ class Selective:
     out_v: torch.Tensor
     win_k: torch.Tensor  # [R, H, w, D] FP16: the prompt's last w tokens, post-RoPE
     win_v: torch.Tensor
-    # sr_reuse: the previous step's chunk ids [R, H, n] and their rebuilt keys, values [R, H, n · chunk, D] FP16
+    # sr_reuse: the chunk id each slot holds [R, H, n] and its rebuilt keys, values [R, H, n · chunk, D] FP16
     buffer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     rebuilt: int = 0  # tokens the last step rebuilt per row (every KV head rebuilds as many)
 
@@ -123,10 +123,6 @@ class Selective:
         p = torch.softmax(q @ self.landmarks.float().mT, dim=-1).amax(dim=2)  # [R, H, C]
         p.scatter_(-1, self.outliers.long(), -1.0)
         return p.topk(n_select, dim=-1).indices
-
-    def choose(self, query: torch.Tensor, n_select: int, scaling: float) -> torch.Tensor:
-        """Token ids [R, H, n_select · chunk] of `choose_chunks`."""
-        return chunk_tokens(self.choose_chunks(query, n_select, scaling), self.chunk)
 
     def gather(self, chunks: torch.Tensor, rebuild, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [R, H, n · chunk, D] float32 of the chosen chunks [R, H, n]; `rebuild(token ids)`
