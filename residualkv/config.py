@@ -166,6 +166,9 @@ class LowRAMConfig:
     sr_budget: int = 2048
     sr_outliers: int = 48
     sr_window: int = 32
+    # landmarks in sr_landmark_bits (groups as the residuals'), None = FP16 as the seed: a landmark only ranks
+    # chunks, and in FP16 the landmarks alone take half the keys' share at 4x
+    sr_landmark_bits: int | None = None
     # the seed's persistent buffer: keep the rebuilt chunks (FP16) and rebuild only those the next step's
     # selection adds. Working memory beside the stored bytes (sr_budget tokens per layer, row and KV head),
     # reported by the accounting, not in KR; decode reads the same values either way (up to FP16 rounding)
@@ -181,7 +184,7 @@ class LowRAMConfig:
         _check(self.starts_path is None or self.start != "slim", "starts_path", self.starts_path,
                "saved starts are read only with start='warm' or 'meta'; drop starts_path or set start")
         _check(self.hidden_factor > 0, "hidden_factor", self.hidden_factor, "use a positive width factor (seed: 1)")
-        for name in ("key_bits", "residual_bits"):
+        for name in ("key_bits", "residual_bits", "sr_landmark_bits"):
             b = getattr(self, name)
             _check(b is None or b in SUPPORTED_BITS, name, b, f"use None (FP16) or one of {SUPPORTED_BITS}")
         _check(self.group_size >= 8 and self.group_size % 8 == 0, "group_size", self.group_size,

@@ -107,6 +107,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "(FP16 working memory beside the stored bytes, reported) and a step rebuilds only those its selection adds",
            False, _lowram(selective=True, sr_reuse=True), changes="lowram",
            in_default=False),  # reads what lowram-sr reads (up to FP16 rounding): a decode-speed variant
+    Method("lowram-sr-l4", "LowRAM-SR as lowram-sr with its landmarks in 4 bits (not in the seed): they take 16% of "
+           "the keys' share instead of half, and the rest goes to the key rank", False,
+           _lowram(selective=True, sr_landmark_bits=4), changes="lowram"),
     Method("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
            "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
            False, _lowram(selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),

@@ -230,6 +230,8 @@ def test_group_size_that_cannot_split_a_head_is_refused():
     wide = LlamaForCausalLM(tiny_llama_config(head_dim=48)).eval()
     with pytest.raises(ConfigError, match="group_size=32"):
         LowRAMCache.from_model(wide, LowRAMConfig(residual_bits=2))
+    with pytest.raises(ConfigError, match="group_size=32"):
+        LowRAMCache.from_model(wide, LowRAMConfig(selective=True, sr_landmark_bits=4))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def test_selective_state_is_the_seeds_landmarks_outliers_and_window(model):
         k, v = exact.layers[i].keys.float(), exact.layers[i].values.float()  # post-RoPE, as stored
         chunks = k[:, :, : T - w].unflatten(2, (-1, 8))
         marks = chunks.mean(3)
-        assert torch.allclose(sr.landmarks.float(), marks, atol=1e-3)
+        assert torch.allclose(sr.landmarks.read(), marks, atol=1e-3)
         fit = torch.nn.functional.cosine_similarity(chunks, marks[:, :, :, None], dim=-1).amin(-1)
         worst = fit.sort(-1).indices[..., :6].sort(-1).values
         assert torch.equal(sr.outliers.long(), worst)
@@ -317,7 +319,7 @@ def test_selective_read_chooses_by_landmarks_and_with_every_chunk_equals_the_who
     pos = cache.rows.positions[:, :700]
     # the chosen chunks: per KV head, the best by softmax(q . landmark) max-pooled over its 2 query heads
     tok = chunk_tokens(sr.choose_chunks(q, 16, 0.25), 8)
-    p = torch.softmax(q.view(1, 2, 2, 16) * 0.25 @ sr.landmarks.float().mT, -1).amax(2)
+    p = torch.softmax(q.view(1, 2, 2, 16) * 0.25 @ sr.landmarks.read().mT, -1).amax(2)
     p.scatter_(-1, sr.outliers.long(), -1.0)
     best = p.topk(16, -1).indices
     assert torch.equal(tok.view(1, 2, 16, 8)[..., 0] // 8, best)
@@ -405,6 +407,26 @@ def test_selective_engages_only_where_it_skips_something_and_its_bytes_fit(model
     from residualkv.evaluation.harness import build_method_cache
 
     assert build_method_cache("lowram-q-sr16-f3", model).config.fit_steps == 3
+
+
+def test_packed_landmarks_free_key_rank_and_choose_by_what_they_store(model):
+    """sr_landmark_bits (not in the seed): the landmarks stored in 4 bits (groups of 16 = one head here)
+    cost a fifth of the FP16 ones, the bytes go to the key rank, and selection ranks by the decoded ones."""
+    _, _, fp16, _ = _sr_prefill(model)
+    cfg, _, packed, _ = _sr_prefill(model, sr_landmark_bits=4)
+    rep, rep16 = accounting.report(packed), accounting.report(fp16)
+    C = (700 - 20) // 8
+    assert rep["bytes"]["sr_landmarks"] == 5 * 2 * C * (16 * 4 // 8 + 2 * 2)  # codes + FP16 min, scale per head
+    assert rep16["bytes"]["sr_landmarks"] == 5 * 2 * C * 16 * 2
+    assert all(a >= b for a, b in zip(packed.key_ranks, fp16.key_ranks)) and packed.key_ranks != fp16.key_ranks
+    assert rep["gap"]["rank_and_residual_rounding"] < 0.01
+    sr, sr16 = packed.layers[3].stores[0].selective, fp16.layers[3].stores[0].selective
+    assert (sr.landmarks.read() - sr16.landmarks.read()).abs().max() < 0.1 * sr16.landmarks.read().abs().max()
+    torch.manual_seed(1)
+    q = torch.randn(1, 4, 1, 16)
+    p = torch.softmax(q.view(1, 2, 2, 16) * 0.25 @ sr.landmarks.read().mT, -1).amax(2)
+    p.scatter_(-1, sr.outliers.long(), -1.0)
+    assert torch.equal(sr.choose_chunks(q, 16, 0.25), p.topk(16, -1).indices)
 
 
 def test_reuse_buffer_rebuilds_only_new_chunks_and_reads_what_a_fresh_rebuild_reads(model):

@@ -22,48 +22,18 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .. import attention
-from ..accounting import q_bits
 from ..cache import RowLayout, _GroupedLayer, _position_ids
 from ..codec import model_shape
 from ..config import ConfigError, LowRAMConfig
 from ..growing import Growing, grown
-from ..quant import Packed, dequantize, pack_bits, quantize, unpack_bits
+from ..quant import pack_bits, unpack_bits
 from ..rope import RopeTable, apply_rope, invert_rope
 from ..stores import flat_heads, nbytes_of, sum_bytes
 from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
+from .quantised import Quantised, bytes_per_coord, head_group
 from .selective import Selective, chunks_selected, extra_bytes, tokens_rebuilt
 from .starts import PredictorStarts
 from .values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
-
-
-class Quantised:
-    """A float tensor stored in FP16, or packed `bits` along its last dim in groups (None = FP16)."""
-
-    def __init__(self, x: torch.Tensor, bits: int | None, group: int):
-        # a last dim the groups do not divide (a basis narrower than one group), or nothing to store: FP16
-        packable = bits is not None and x.shape[-1] % group == 0 and x.numel() > 0
-        self.bits, self.group = (bits if packable else None), group
-        self.data = x.to(torch.float16) if self.bits is None else quantize(x, self.bits, group)
-
-    def read(self) -> torch.Tensor:
-        if self.bits is None:
-            return self.data.float()
-        return dequantize(self.data, self.bits, self.group)
-
-    def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Rows idx [N, n] of a stored [N, M, F] tensor, float32 [N, n, F]; only those are decoded."""
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.gather(1, idx[..., None].expand(-1, -1, t.shape[-1]))
-        if self.bits is None:
-            return take(self.data).float()
-        return dequantize(Packed(*(take(t) for t in self.data)), self.bits, self.group)
-
-    def nbytes(self) -> int:
-        return self.data.nbytes() if isinstance(self.data, Packed) else nbytes_of(self.data)
-
-
-def _bytes_per_coord(bits: int | None, group: int) -> float:
-    return 2.0 if bits is None else 2 * q_bits(bits, group)
 
 
 class LowRAMStore:
@@ -165,16 +135,11 @@ class LowRAMStore:
         return self._k_tail.spare_bytes() + self._v_tail.spare_bytes()
 
 
-def residual_group(cfg: LowRAMConfig, head_dim: int) -> int:
-    """A residual group never spans two heads: heads narrower than group_size take one group each."""
-    return min(cfg.group_size, head_dim)
-
-
 def residual_count(T: int, H: int, D: int, fixed_bytes: int, cfg: LowRAMConfig) -> int:
     """Residuals per (row, head) that fit the values' share of the budget, T·H·D·2/ratio bytes per row,
     after the row's predictors and residual mask (`fixed_bytes`). 0 when the predictors alone overrun it:
     short prompts (the seed: amortisation pays off only after 2-3K tokens); the report shows the overrun."""
-    per = D * _bytes_per_coord(cfg.residual_bits, residual_group(cfg, D))
+    per = D * bytes_per_coord(cfg.residual_bits, head_group(cfg, D))
     spare = T * H * D * 2 / cfg.ratio - fixed_bytes
     return max(0, min(T, int(spare // (H * per))))
 
@@ -186,7 +151,7 @@ def group_generator(cfg: LowRAMConfig, first_layer: int) -> torch.Generator:
 
 def _basis_rank_step(cfg: LowRAMConfig) -> tuple[float, int]:
     """Bytes per coordinate of the stored basis A, and the multiple its rank comes in (A's groups)."""
-    return _bytes_per_coord(cfg.key_bits, cfg.group_size), cfg.group_size if cfg.key_bits is not None else 1
+    return bytes_per_coord(cfg.key_bits, cfg.group_size), cfg.group_size if cfg.key_bits is not None else 1
 
 
 def predictor_bytes(H: int, D: int, cfg: LowRAMConfig) -> int:
@@ -259,7 +224,7 @@ def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[tor
         bits = torch.zeros(R * H, (T + 7) // 8 * 8, dtype=torch.uint8, device=v.device)
         bits[:, :T] = keep.to(torch.uint8)
         store.predictor, store.mask, store.n_keep = f, pack_bits(bits, 1), n_keep
-        store.residuals = Quantised(resid[keep].view(R * H, n_keep, D), cfg.residual_bits, residual_group(cfg, D))
+        store.residuals = Quantised(resid[keep].view(R * H, n_keep, D), cfg.residual_bits, head_group(cfg, D))
         store.pending = store.k_post = None
     return rank
 
@@ -352,9 +317,10 @@ class LowRAMCache(Cache):
 
     def __init__(self, config: LowRAMConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  rope: RopeTable, starts: list[Predictor | tuple[torch.Tensor, torch.Tensor]]):
-        if config.residual_bits is not None and head_dim % residual_group(config, head_dim):
-            raise ConfigError(f"invalid group_size={config.group_size}: quantised residuals need a group size that "
-                              f"divides head_dim={head_dim}")
+        packs_heads = config.residual_bits is not None or config.sr_landmark_bits is not None
+        if packs_heads and head_dim % head_group(config, head_dim):
+            raise ConfigError(f"invalid group_size={config.group_size}: quantised residuals and landmarks need a group "
+                              f"size that divides head_dim={head_dim}")
         self.config = config
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.starts = starts  # per layer: a learnt start [H, ...], or Slim's (w_lin, b2)

@@ -16,8 +16,9 @@ With selective reconstruction the prompt is cut into `sr_chunk`-token chunks; pe
 The landmarks and exact tokens are stored bytes, paid inside the ratio: the landmarks and exact keys
 from the keys' share (the key rank shrinks; the seed deducts them from the rank, its appendix F), the
 exact values from the values' share (fewer residuals; none is spent on a token stored exact). The
-landmarks alone are an eighth of the FP16 keys, half the keys' share at 4x; the exact chunks weigh
-less the longer the prompt. Selection engages only where it would skip something (more chunks than
+landmarks alone are an eighth of the FP16 keys, half the keys' share at 4x (`sr_landmark_bits`, not in
+the seed, packs them: in 4 bits they take 16% of the share); the exact chunks weigh less the longer
+the prompt. Selection engages only where it would skip something (more chunks than
 the exact ones plus the budget) and where both shares can pay for it (cache.selective_bytes); other
 prompts are read whole, as plain LowRAM, and the accounting report counts the stores that engaged.
 With `sr_reuse` (the seed's persistent buffer) the rebuilt chunks are kept in FP16 between steps and a
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from ..config import LowRAMConfig
 from ..stores import nbytes_of
+from .quantised import Quantised, bytes_per_coord, head_group
 
 
 def window_len(T: int, cfg: LowRAMConfig) -> int:
@@ -63,14 +65,15 @@ def tokens_rebuilt(cfg: LowRAMConfig) -> int:
 
 def extra_bytes(T: int, H: int, D: int, cfg: LowRAMConfig) -> tuple[int, int]:
     """Bytes one row of one layer holds for selective reconstruction of a T-token prompt, (keys' side:
-    FP16 landmarks, the exact chunks' ids, the exact keys; values' side: the exact values); (0, 0)
+    the landmarks, the exact chunks' ids, the exact keys; values' side: the exact values); (0, 0)
     where selection would skip nothing."""
     if not engages(T, cfg):
         return 0, 0
     w = window_len(T, cfg)
     n_chunks = (T - w) // cfg.sr_chunk
     exact = (cfg.sr_outliers * cfg.sr_chunk + w) * H * D * 2
-    return n_chunks * H * D * 2 + cfg.sr_outliers * H * 4 + exact, exact
+    marks = round(n_chunks * H * D * bytes_per_coord(cfg.sr_landmark_bits, head_group(cfg, D)))
+    return marks + cfg.sr_outliers * H * 4 + exact, exact
 
 
 @dataclass
@@ -78,7 +81,7 @@ class Selective:
     """One layer's selective-reconstruction state for one row group [R rows, H KV heads]."""
 
     chunk: int
-    landmarks: torch.Tensor  # [R, H, C, D] FP16: mean post-RoPE key of each chunk
+    landmarks: Quantised  # [R, H, C, D]: mean post-RoPE key of each chunk, FP16 or sr_landmark_bits
     outliers: torch.Tensor  # [R, H, n_out] int32: chunk ids stored exact, ascending
     out_k: torch.Tensor  # [R, H, n_out · chunk, D] FP16, post-RoPE, token order within each chunk
     out_v: torch.Tensor
@@ -99,8 +102,8 @@ class Selective:
         outliers = fit.topk(cfg.sr_outliers, dim=-1, largest=False).indices.sort(dim=-1).values
         tok = chunk_tokens(outliers, c)
         take = lambda x: x.gather(2, tok[..., None].expand(-1, -1, -1, D)).to(torch.float16)  # noqa: E731
-        return cls(c, marks.to(torch.float16), outliers.to(torch.int32), take(k_post), take(v),
-                   k_post[:, :, T - w :].to(torch.float16), v[:, :, T - w :].to(torch.float16))
+        return cls(c, Quantised(marks, cfg.sr_landmark_bits, head_group(cfg, D)), outliers.to(torch.int32),
+                   take(k_post), take(v), k_post[:, :, T - w :].to(torch.float16), v[:, :, T - w :].to(torch.float16))
 
     def exact_tokens(self) -> torch.Tensor:
         """Prompt token ids stored exact [R, H, n_out · chunk + w], in the order of out_k then win_k."""
@@ -120,7 +123,7 @@ class Selective:
         query head, max over the query heads of each KV head), outliers excluded."""
         R, H, C, D = self.landmarks.shape
         q = query.float().reshape(R, H, -1, D) * scaling  # query head j reads KV head j // (Hq / H)
-        p = torch.softmax(q @ self.landmarks.float().mT, dim=-1).amax(dim=2)  # [R, H, C]
+        p = torch.softmax(q @ self.landmarks.read().mT, dim=-1).amax(dim=2)  # [R, H, C]
         p.scatter_(-1, self.outliers.long(), -1.0)
         return p.topk(n_select, dim=-1).indices
 
@@ -164,7 +167,7 @@ class Selective:
         return 0 if self.buffer is None else nbytes_of(*self.buffer)
 
     def nbytes(self) -> dict[str, int]:
-        return {"sr_landmarks": nbytes_of(self.landmarks),
+        return {"sr_landmarks": self.landmarks.nbytes(),
                 "sr_exact_chunks": nbytes_of(self.outliers, self.out_k, self.out_v),
                 "sr_exact_window": nbytes_of(self.win_k, self.win_v)}
 
