@@ -427,6 +427,7 @@ def test_packed_landmarks_free_key_rank_and_choose_by_what_they_store(model):
     p = torch.softmax(q.view(1, 2, 2, 16) * 0.25 @ sr.landmarks.read().mT, -1).amax(2)
     p.scatter_(-1, sr.outliers.long(), -1.0)
     assert torch.equal(sr.choose_chunks(q, 16, 0.25), p.topk(16, -1).indices)
+    assert build_cache("lowram-sr-l4", model).config.sr_landmark_bits == 4
 
 
 def test_reuse_buffer_rebuilds_only_new_chunks_and_reads_what_a_fresh_rebuild_reads(model):
