@@ -6,7 +6,9 @@ references (1 for FP16). The formula leaves out reference indices, sink tokens, 
 full layers and the per-row positions; `gap` attributes the difference to each of them, and
 `unexplained` is what is left (zero when every byte is accounted for).
 Stores grow in place into spare capacity (residualkv.growing): `spare_bytes` is that capacity, memory
-that holds no data yet, and `kr_allocated` counts it too; KR does not.
+that holds no data yet, and `kr_allocated` counts it too; KR does not. `working_vs_fp16` (LowRAM
+reports) is memory kept between decode steps that can be rebuilt from the stored bytes (LowRAM-SR's
+reuse buffer), / FP16 cache bytes; KR does not count it either.
 CR = history tokens that took part in attention / history tokens, averaged over layers, measured over
 decode steps (one new token per row; prefill attends densely in every mode) from what the attention
 path really read. With filter (full-attention) layers a fraction β of the layers, CR = β + (1-β)·r,
@@ -142,6 +144,7 @@ def _report_lowram(cache) -> dict[str, Any]:
     gap = {k: comp[k] / fp16 for k in ("exact_tail_fp16", "positions", "prompt_pending_fp16") if k in comp} if fp16 else {}
     gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
     stores = [s for layer in cache.layers for s in layer.stores if s.mask is not None]
+    buffer = sum(layer.buffer_bytes() for layer in cache.layers)  # LowRAM-SR's reuse buffers, not in KR
     per_layer = _cr_per_layer(cache.layers)
     cfg, steps = cache.config, min((len(layer.decode_log) for layer in cache.layers), default=0)
     return {"kr_measured": kr, "kr_formula": target, "cr": sum(per_layer) / len(per_layer), "cr_per_layer": per_layer,
@@ -153,7 +156,7 @@ def _report_lowram(cache) -> dict[str, Any]:
             "tokens_attended_per_step": _per_step(cache.layers, steps, 1),
             "selective": _selective_report(cache, stores, fp16) if cfg.selective else None,
             "bytes": comp, "total_bytes": total, **_spare(cache, total, fp16), "fp16_bytes": fp16, "gap": gap,
-            "unexplained": 0.0,
+            "unexplained": 0.0, "working_vs_fp16": buffer / fp16 if fp16 else 0.0,
             "inputs": {"ratio": cache.config.ratio, "layer_group": cache.config.layer_group, "key_ranks": cache.key_ranks,
                        "residual_fraction": sum(s.n_keep / s.n_prompt for s in stores) / len(stores) if stores else 0.0,
                        "key_bits": cache.config.key_bits, "residual_bits": cache.config.residual_bits,

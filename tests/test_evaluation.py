@@ -465,6 +465,8 @@ def test_every_registered_method_runs_through_the_harness(tiny_lm, tok, tmp_path
     assert [r["method"] for r in rows] == list(dict.fromkeys(["full", *METHODS, "snapkv"]))
     for r in rows:
         assert 0 < r["kr_measured"] <= 1.0 and 0 < r["cr"] <= 1.0 and r["ppl"] > 0, r["method"]
+        # memory kept beside the stored bytes: none here (LowRAM-SR's buffer needs a prompt it selects from)
+        assert r["working_vs_fp16"] == 0.0, r["method"]
 
 
 def test_methods_built_fresh_and_measured(tiny_lm):

@@ -483,6 +483,8 @@ def test_reuse_buffer_decodes_as_without_it_and_is_reported_beside_kr(model):
     # 5 layers x 2 KV heads x (16 chunk ids + 128 tokens x 16 dims x K and V in FP16)
     assert on["selective"]["reuse_buffer_bytes"] == 5 * 2 * (16 * 8 + 128 * 16 * 2 * 2)
     assert off["selective"]["reuse_buffer_bytes"] == 0
+    assert on["working_vs_fp16"] == on["selective"]["reuse_buffer_bytes"] / on["fp16_bytes"] > 0
+    assert off["working_vs_fp16"] == 0.0
     with pytest.raises(ConfigError, match="sr_reuse"):
         LowRAMConfig(sr_reuse=True)
     assert build_cache("lowram-sr-reuse", model).config.sr_reuse

@@ -8,6 +8,8 @@ is measured through each method's cache as well (`perplexity.py`).
 Per (method, context length) row:
   kr_measured, kr_formula, cr   mean over the task samples of `accounting.report(cache)` taken after that
                                 sample's prefill + generation (the ppl run's report when there are no samples)
+  working_vs_fp16               memory the method holds beside its stored bytes (LowRAM-SR's reuse buffer),
+                                / FP16 cache bytes, averaged the same way; 0 for methods that keep none
   score                         mean over tasks of the task's mean sample score (fractions in [0, 1])
   rel_score                     sum of the method's task scores / sum of the full cache's task scores, over
                                 the tasks where the full cache scores > 0 (tasks without signal are left out);
@@ -342,6 +344,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                         "new_tokens": len(g.token_ids), "max_new_tokens": budget, "prefill_s": g.prefill_s,
                         "decode_s": g.decode_s, "decode_steps": g.decode_steps, "wall_s": wall, "kr_measured": rep["kr_measured"],
                         "kr_formula": rep.get("kr_formula"), "cr": rep["cr"], "seed": seed,
+                        "working_vs_fp16": rep.get("working_vs_fp16", 0.0),
                         "answer_nll": g.answer_nll, "answer_tokens": g.answer_tokens, "answer_nll_s": g.answer_nll_s,
                     })
                     del cache
@@ -364,6 +367,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                         res["wall_s"] = time.perf_counter() - t0
                         rep = measure(cache)
                         res.update({k: rep.get(k) for k in ("kr_measured", "kr_formula", "cr")})
+                        res["working_vs_fp16"] = rep.get("working_vs_fp16", 0.0)
                         parts.append(res)
                         del cache
                         bar.update(1)
@@ -478,7 +482,8 @@ def _pool_windows(parts: list[dict[str, Any]], n_ctx: int) -> dict[str, Any]:
     return {"nll": nll, "ppl": math.exp(nll), "tokens": tokens, "windows": len(parts), "ppl_context": n_ctx,
             "wall_s": sum(p["wall_s"] for p in parts), "prefill_s": sum(p["prefill_s"] for p in parts),
             "decode_s": sum(p["decode_s"] for p in parts), "kr_measured": _mean([p["kr_measured"] for p in parts]),
-            "kr_formula": _mean([p.get("kr_formula") for p in parts]), "cr": _mean([p["cr"] for p in parts])}
+            "kr_formula": _mean([p.get("kr_formula") for p in parts]), "cr": _mean([p["cr"] for p in parts]),
+            "working_vs_fp16": _mean([p.get("working_vs_fp16") for p in parts])}
 
 
 def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], dict[str, Any]],
@@ -514,6 +519,7 @@ def summarize(records: list[dict[str, Any]], ppl_results: dict[tuple[str, int], 
                 "kr_measured": _mean([r["kr_measured"] for r in kr_src]),
                 "kr_formula": _mean([r.get("kr_formula") for r in kr_src]),
                 "cr": _mean([r["cr"] for r in kr_src]),
+                "working_vs_fp16": _mean([r.get("working_vs_fp16") for r in kr_src]),
                 "score": score,
                 "rel_score": rel,
                 "rel_score_ci": (rel_score_interval(recs, m, REFERENCE, sample_key)
