@@ -116,6 +116,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("lowram-q-sr16", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 (with the seed's 8-token "
            "chunks and 48 exact ones, a 4-bit basis at 5x cannot pay for them below ~8K tokens and reads whole)", False,
            _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),
+    Method("lowram-q-sr16-l4", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 and its landmarks in 4 bits "
+           "(not in the seed): the key basis keeps rank 192 of 288 at 4K tokens instead of 96", False,
+           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12,
+                   sr_landmark_bits=4), changes="lowram"),
     Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
            "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
            _lowram(start="warm"), learnt_starts=True, changes="lowram"),
