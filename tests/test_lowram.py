@@ -428,6 +428,8 @@ def test_packed_landmarks_free_key_rank_and_choose_by_what_they_store(model):
     p.scatter_(-1, sr.outliers.long(), -1.0)
     assert torch.equal(sr.choose_chunks(q, 16, 0.25), p.topk(16, -1).indices)
     assert build_cache("lowram-sr-l4", model).config.sr_landmark_bits == 4
+    q = build_cache("lowram-q-sr16-l4", model).config
+    assert (q.key_bits, q.residual_bits, q.sr_chunk, q.sr_landmark_bits) == (4, 2, 16, 4)
 
 
 def test_reuse_buffer_rebuilds_only_new_chunks_and_reads_what_a_fresh_rebuild_reads(model):
