@@ -44,11 +44,12 @@ def _kivi(bits: int):
     return build
 
 
-def _residual(**overrides):
+def _residual(name: str, description: str, **overrides) -> Method:
+    """A trained-codec method: the caller's changes apply over the codec's own config."""
     def build(model, codec, base, changes=None):
         # the codec's own config (it was trained with that schedule), the caller's changes, the method's mode
         return ResidualKVCache.from_model(model, codec, codec.config.replace(**{**(changes or {}), **overrides}))
-    return build
+    return Method(name, description, True, build, changes="codec")
 
 
 def _omnikv(model, codec, base):
@@ -70,11 +71,12 @@ def _snapkv(ratio: float):
     return build
 
 
-def _lowram(**fields):
+def _lowram(name: str, description: str, *, learnt_starts: bool = False, in_default: bool = True, **fields) -> Method:
+    """A LowRAM method (no codec): the caller's changes are LowRAMConfig fields (e.g. fit_steps)."""
     def build(model, codec, base, changes=None):
-        # LowRAM has its own config: the caller's changes are LowRAMConfig fields (e.g. fit_steps)
         return LowRAMCache.from_model(model, LowRAMConfig(**fields).replace(**(changes or {})))
-    return build
+    return Method(name, description, False, build, learnt_starts=learnt_starts, in_default=in_default,
+                  changes="lowram")
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -88,48 +90,45 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "and KV head, FP16", False, _snapkv(0.2)),
     Method("snapkv-10", "SnapKV keeping 10% of the prompt", False, _snapkv(0.1)),
     Method("omnikv", "OmniKV dynamic selection on the FP16 full cache (no compression, KR = 100%)", False, _omnikv),
-    Method("residualkv", "ResidualKV + OmniKV (default deployment): trained codec, INT4 latents, sparse layers "
-           "reconstruct only the tokens the filter layers select", True, _residual(bits=4, mode="omnikv"), changes="codec"),
-    Method("residualkv-standalone", "ResidualKV standalone: trained codec, INT4 latents, every token reconstructed "
-           "(CR = 100%)", True, _residual(bits=4, mode="standalone"), changes="codec"),
-    Method("residualkv-snapkv", "ResidualKV + SnapKV: trained codec, INT4 latents, compressed layers keep only "
-           "SnapKV's survivors after the prompt plus the references they need (irreversible)", True,
-           _residual(bits=4, mode="snapkv"), changes="codec"),
-    Method("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", True, _residual(bits=2, mode="standalone"), changes="codec"),
-    Method("lowram", "LowRAM (seed 003) at 4x: xKV low-rank keys (groups of 4 layers), values from a predictor fitted "
-           "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training", False, _lowram(), changes="lowram"),
-    Method("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",
-           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2), changes="lowram"),
-    Method("lowram-sr", "LowRAM-SR at 4x: as lowram, but each decode step rebuilds only the 2048 prompt tokens "
-           "(8-token chunks) its query selects by mean-key landmarks; 48 outlier chunks and the last 32 prompt tokens "
-           "kept exact, paid from the keys' share of the bytes", False, _lowram(selective=True), changes="lowram"),
-    Method("lowram-sr-reuse", "LowRAM-SR as lowram-sr with the seed's persistent buffer: the rebuilt chunks are kept "
-           "(FP16 working memory beside the stored bytes, reported) and a step rebuilds only those its selection adds",
-           False, _lowram(selective=True, sr_reuse=True), changes="lowram",
-           in_default=False),  # reads what lowram-sr reads (up to FP16 rounding): a decode-speed variant
-    Method("lowram-sr-l4", "LowRAM-SR as lowram-sr with its landmarks in 4 bits (not in the seed): they take 16% of "
-           "the keys' share instead of half, and the rest goes to the key rank", False,
-           _lowram(selective=True, sr_landmark_bits=4), changes="lowram"),
-    Method("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
-           "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
-           False, _lowram(selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),
-    Method("lowram-q-sr16", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 (with the seed's 8-token "
-           "chunks and 48 exact ones, a 4-bit basis at 5x cannot pay for them below ~8K tokens and reads whole)", False,
-           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12), changes="lowram"),
-    Method("lowram-q-sr16-l4", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 and its landmarks in 4 bits "
-           "(not in the seed): the key basis keeps rank 192 of 288 at 4K tokens instead of 96", False,
-           _lowram(ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12,
-                   sr_landmark_bits=4), changes="lowram"),
-    Method("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
-           "(the seed's pipeline: pooled pre-training, then the per-context fit)", False,
-           _lowram(start="warm"), learnt_starts=True, changes="lowram"),
-    Method("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "
-           "(the seed's fast prefill)", False, _lowram(start="meta", fit_steps=2), learnt_starts=True, changes="lowram"),
-    Method("lowram-meta-sr", "LowRAM at 4x fitted in 2 steps from the meta-learned start, with selective "
-           "reconstruction: the seed's fast prefill and fast decode together", False,
-           _lowram(start="meta", fit_steps=2, selective=True), learnt_starts=True, changes="lowram"),
-    Method("lowram-q-meta", "LowRAM-Q at 5x fitted in 2 Adam steps from the meta-learned start",
-           False, _lowram(ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2), learnt_starts=True, changes="lowram"),
+    _residual("residualkv", "ResidualKV + OmniKV (default deployment): trained codec, INT4 latents, sparse layers "
+              "reconstruct only the tokens the filter layers select", bits=4, mode="omnikv"),
+    _residual("residualkv-standalone", "ResidualKV standalone: trained codec, INT4 latents, every token reconstructed "
+              "(CR = 100%)", bits=4, mode="standalone"),
+    _residual("residualkv-snapkv", "ResidualKV + SnapKV: trained codec, INT4 latents, compressed layers keep only "
+              "SnapKV's survivors after the prompt plus the references they need (irreversible)",
+              bits=4, mode="snapkv"),
+    _residual("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", bits=2, mode="standalone"),
+    _lowram("lowram", "LowRAM (seed 003) at 4x: xKV low-rank keys (groups of 4 layers), values from a predictor fitted "
+            "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training"),
+    _lowram("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",
+            ratio=5.0, key_bits=4, residual_bits=2),
+    _lowram("lowram-sr", "LowRAM-SR at 4x: as lowram, but each decode step rebuilds only the 2048 prompt tokens "
+            "(8-token chunks) its query selects by mean-key landmarks; 48 outlier chunks and the last 32 prompt tokens "
+            "kept exact, paid from the keys' share of the bytes", selective=True),
+    # reads what lowram-sr reads (up to FP16 rounding): a decode-speed variant, run only when named
+    _lowram("lowram-sr-reuse", "LowRAM-SR as lowram-sr with the seed's persistent buffer: the rebuilt chunks are kept "
+            "(FP16 working memory beside the stored bytes, reported) and a step rebuilds only those its selection adds",
+            in_default=False, selective=True, sr_reuse=True),
+    _lowram("lowram-sr-l4", "LowRAM-SR as lowram-sr with its landmarks in 4 bits (not in the seed): they take 16% of "
+            "the keys' share instead of half, and the rest goes to the key rank", selective=True, sr_landmark_bits=4),
+    _lowram("lowram-sr16", "LowRAM-SR at 4x with 16-token chunks and 12 exact chunks: landmarks and exact keys take "
+            "about half the keys' share at 4K tokens instead of nine tenths (the seed's settings are for 16K+ prompts)",
+            selective=True, sr_chunk=16, sr_outliers=12),
+    _lowram("lowram-q-sr16", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 (with the seed's 8-token "
+            "chunks and 48 exact ones, a 4-bit basis at 5x cannot pay for them below ~8K tokens and reads whole)",
+            ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12),
+    _lowram("lowram-q-sr16-l4", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 and its landmarks in 4 "
+            "bits (not in the seed): the key basis keeps rank 192 of 288 at 4K tokens instead of 96",
+            ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12, sr_landmark_bits=4),
+    _lowram("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
+            "(the seed's pipeline: pooled pre-training, then the per-context fit)", learnt_starts=True, start="warm"),
+    _lowram("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "
+            "(the seed's fast prefill)", learnt_starts=True, start="meta", fit_steps=2),
+    _lowram("lowram-meta-sr", "LowRAM at 4x fitted in 2 steps from the meta-learned start, with selective "
+            "reconstruction: the seed's fast prefill and fast decode together", learnt_starts=True,
+            start="meta", fit_steps=2, selective=True),
+    _lowram("lowram-q-meta", "LowRAM-Q at 5x fitted in 2 Adam steps from the meta-learned start", learnt_starts=True,
+            ratio=5.0, key_bits=4, residual_bits=2, start="meta", fit_steps=2),
 ]}
 
 
