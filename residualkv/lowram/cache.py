@@ -31,7 +31,7 @@ from ..rope import RopeTable, apply_rope, invert_rope
 from ..stores import flat_heads, nbytes_of, sum_bytes
 from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
 from .quantised import Quantised, bytes_per_coord, head_group
-from .selective import Selective, chunks_selected, extra_bytes, tokens_rebuilt
+from .selective import Selective, chunks_selected, extra_bytes, tokens_chosen
 from .starts import PredictorStarts
 from .values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 
@@ -271,7 +271,7 @@ class LowRAMLayer(_GroupedLayer):
             sr = store.selective
             if sr is not None:
                 R = k_new.shape[0]
-                read += R * (sr.out_k.shape[2] + tokens_rebuilt(self.config) + sr.win_k.shape[2]
+                read += R * (sr.out_k.shape[2] + tokens_chosen(self.config) + sr.win_k.shape[2]
                              + store.n - 1 - store.n_prompt)
             else:
                 read += k_new.shape[0] * (store.n - 1)

@@ -58,8 +58,9 @@ def chunks_selected(cfg: LowRAMConfig) -> int:
     return -(-cfg.sr_budget // cfg.sr_chunk)
 
 
-def tokens_rebuilt(cfg: LowRAMConfig) -> int:
-    """Prompt tokens a selective step rebuilds per (row, KV head): the chosen chunks, whole."""
+def tokens_chosen(cfg: LowRAMConfig) -> int:
+    """Prompt tokens a selective step chooses and attends per (row, KV head): the chosen chunks, whole
+    (without the reuse buffer it rebuilds all of them)."""
     return chunks_selected(cfg) * cfg.sr_chunk
 
 
@@ -177,4 +178,4 @@ def chunk_tokens(chunks: torch.Tensor, size: int) -> torch.Tensor:
     return (chunks[..., None] * size + torch.arange(size, device=chunks.device)).flatten(-2)
 
 
-__all__ = ["Selective", "chunk_tokens", "chunks_selected", "engages", "extra_bytes", "tokens_rebuilt", "window_len"]
+__all__ = ["Selective", "chunk_tokens", "chunks_selected", "engages", "extra_bytes", "tokens_chosen", "window_len"]
