@@ -128,7 +128,7 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
                        else sum(layer.stores[0].n_prompt for layer in c.layers))
             rec.update({"kr_measured": rep["kr_measured"], "cr": rep["cr"],
                         "tokens_reconstructed_per_step": rebuilt,
-                        "reuse_buffer_vs_fp16": sel["reuse_buffer_vs_fp16"] if sel is not None else 0.0,
+                        "reuse_buffer_vs_fp16": rep["working_vs_fp16"],
                         "tokens_attended_per_step_all_layers": statistics.mean(
                             rep["tokens_attended_per_step"][steps_before[name]:])})
         elif name != "full":

@@ -154,7 +154,7 @@ def _report_lowram(cache) -> dict[str, Any]:
             "decode_steps": steps,
             "history_tokens_per_step": _per_step(cache.layers, steps, 0),
             "tokens_attended_per_step": _per_step(cache.layers, steps, 1),
-            "selective": _selective_report(cache, stores, buffer, fp16) if cfg.selective else None,
+            "selective": _selective_report(cache, stores, buffer) if cfg.selective else None,
             "bytes": comp, "total_bytes": total, **_spare(cache, total, fp16), "fp16_bytes": fp16, "gap": gap,
             "unexplained": 0.0, "working_vs_fp16": buffer / fp16 if fp16 else 0.0,
             "inputs": {"ratio": cache.config.ratio, "layer_group": cache.config.layer_group, "key_ranks": cache.key_ranks,
@@ -164,17 +164,18 @@ def _report_lowram(cache) -> dict[str, Any]:
                        "layers": len(cache.layers)}}
 
 
-def _selective_report(cache, stores, buffer: int, fp16: int) -> dict[str, Any]:
+def _selective_report(cache, stores, buffer: int) -> dict[str, Any]:
     """LowRAM-SR: where it engaged, its settings, the prompt tokens each decode step rebuilt (summed over
     layers and rows, each token with every KV head; fewer than the budget where the reuse buffer held
-    chunks from the step before), and the buffer's bytes, which are not in KR (rebuilt from stored ones)."""
+    chunks from the step before), and the buffer's bytes, which are not in KR (rebuilt from stored ones;
+    / FP16 bytes they are the report's `working_vs_fp16`)."""
     cfg = cache.config
     steps = min((len(layer.rebuilt_log) for layer in cache.layers), default=0)
     return {"engaged_stores": sum(s.selective is not None for s in stores), "stores": len(stores),
             "chunk": cfg.sr_chunk, "budget": cfg.sr_budget, "outlier_chunks": cfg.sr_outliers,
             "window": cfg.sr_window, "reuse": cfg.sr_reuse,
             "tokens_rebuilt_per_step": [sum(layer.rebuilt_log[t] for layer in cache.layers) for t in range(steps)],
-            "reuse_buffer_bytes": buffer, "reuse_buffer_vs_fp16": buffer / fp16 if fp16 else 0.0}
+            "reuse_buffer_bytes": buffer}
 
 
 def _spare(cache, total: int, fp16: int) -> dict[str, Any]:
