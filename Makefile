@@ -16,9 +16,10 @@ STAMP := $(VENV)/.rkv-installed
 # The stamp makes a second `make setup` cost nothing; editing pyproject.toml reinstalls.
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: left to the resolver it would pull a multi-GB CUDA build.
-	$(VPY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(VPY) -m pip install -e ".[dev]"
+	# torch first and pinned: left to the resolver it would pull a multi-GB CUDA build. No pip cache:
+	# a second copy of every wheel is disk a small CI machine may not have (one run died of ENOSPC here).
+	$(VPY) -m pip install --no-cache-dir "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(VPY) -m pip install --no-cache-dir -e ".[dev]"
 	touch $@
 
 setup: $(STAMP)
