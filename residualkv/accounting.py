@@ -6,9 +6,10 @@ references (1 for FP16). The formula leaves out reference indices, sink tokens, 
 full layers and the per-row positions; `gap` attributes the difference to each of them, and
 `unexplained` is what is left (zero when every byte is accounted for).
 Stores grow in place into spare capacity (residualkv.growing): `spare_bytes` is that capacity, memory
-that holds no data yet, and `kr_allocated` counts it too; KR does not. `working_vs_fp16` (LowRAM
-reports) is memory kept between decode steps that can be rebuilt from the stored bytes (LowRAM-SR's
-reuse buffer), / FP16 cache bytes; KR does not count it either.
+that holds no data yet, and `kr_allocated` counts it too; KR does not. `working_vs_fp16` is memory
+kept between decode steps that can be rebuilt from the stored bytes (the reuse buffers of LowRAM-SR and
+of ResidualKV + OmniKV with select_reuse, residualkv/reuse.py), / FP16 cache bytes; KR does not count
+it either.
 CR = history tokens that took part in attention / history tokens, averaged over layers, measured over
 decode steps (one new token per row; prefill attends densely in every mode) from what the attention
 path really read. With filter (full-attention) layers a fraction β of the layers, CR = β + (1-β)·r,
@@ -207,6 +208,7 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
     formula = kr_formula(beta, rho_nominal, cfg.bits, d_c, d_kv, full_bits=cfg.full_bits, group=cfg.group_size,
                          full_group=cfg.full_group_size, ref_format=cfg.ref_format)
     kr = total / fp16 if fp16 else 0.0
+    buffer = sum(layer.buffer_bytes() for layer in cache.layers)  # select_reuse's buffers, not in KR
 
     gap: dict[str, float] = {}
     if fp16:
@@ -251,6 +253,8 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
         "total_bytes": total,
         **_spare(cache, total, fp16),
         "fp16_bytes": fp16,
+        "reuse_buffer_bytes": buffer,
+        "working_vs_fp16": buffer / fp16 if fp16 else 0.0,
         "gap": gap,
         "unexplained": unexplained,
         "inputs": {"beta": beta, "rho_ref": rho_nominal, "bits": cfg.bits, "d_c": d_c, "d_kv": d_kv,

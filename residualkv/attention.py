@@ -201,7 +201,7 @@ class SparseController:
         if self.cfg.mode == "omnikv":
             if self.decode and layer_idx not in self.filters and self.selection is not None:
                 return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, self.selection,
-                                                                     latent=latent))
+                                                                     latent=latent, reuse=self.cfg.select_reuse))
             out = layer.update(key_states, value_states, rows, latent=latent)
             if self.decode and layer_idx in self.choosers:
                 self._hand(layer_idx, "score", out[0], None)

@@ -27,6 +27,7 @@ from kernels._common import use_triton
 from .codec import CodecError, LayerCodec, ResidualCodec, model_shape
 from .config import ConfigError, ResidualKVConfig, check_group_size
 from .growing import Growing, grown
+from .reuse import TokenBuffer
 from .rope import RopeTable, apply_rope, invert_rope
 from .schedule import ReferenceSchedule
 from .stores import DenseStore, KiviStore, Latents, ResidualStore, flat_heads, kernel_reads, nbytes_of, sum_bytes, unflat_heads
@@ -89,11 +90,13 @@ class RowLayout:
 class _GroupedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
+    can_reuse = False  # whether selected reads can keep a reuse buffer: layers that reconstruct (ResidualLayer)
 
     def __init__(self):
         super().__init__()
         self.n_slots = 0
         self.stores: list = []
+        self.buffers: list = []  # per row group: its TokenBuffer of sparse reads (ResidualLayer, select_reuse), or None
         # CR instrumentation, decode steps only (query length 1; prefill attends densely everywhere):
         # history tokens that took part in attention / history tokens, summed over rows and steps
         self.tokens_read = 0
@@ -128,6 +131,17 @@ class _GroupedLayer(CacheLayerMixin):
         compressed layers can (ResidualLayer)."""
         return False
 
+    def _buffer(self, gi: int):
+        while len(self.buffers) <= gi:
+            self.buffers.append(None)
+        if self.buffers[gi] is None:
+            self.buffers[gi] = TokenBuffer()
+        return self.buffers[gi]
+
+    def buffer_bytes(self) -> int:
+        """Working memory kept between decode steps (reuse buffers): not stored bytes, outside KR."""
+        return sum(b.nbytes() for b in self.buffers if b is not None)
+
     def update(self, key_states, value_states, rows: RowLayout, *args, latent: bool = False, **kwargs):
         """Store the step's tokens, read the history: K, V [B, H, slots, D]; with `latent` and where
         `reads_latent` allows, also the codes' Latents (their values without the decoder's term)."""
@@ -146,17 +160,20 @@ class _GroupedLayer(CacheLayerMixin):
         return _batch([(grp.rows, ts) for grp, ts in outs], B, s1, right_aligned=True)
 
     def update_selected(self, key_states, value_states, rows: RowLayout, select: list[torch.Tensor | None],
-                        latent: bool = False):
+                        latent: bool = False, reuse: bool = False):
         """Like `update`, but group g's history is read only at the ordinals select[g] ([rows of g, S_g],
         sorted; None = all of it): the sparse path of seed §2.7. The new tokens are written as usual
         and returned after the selected ones. Returns K, V [B, H, L, D] (and Z, as `update` does) with
         L = max_g(S_g + new) and `slots` [B, L]: the slot (column of the model's attention mask) each
-        returned column holds, -1 for padding columns, which the attention must mask."""
+        returned column holds, -1 for padding columns, which the attention must mask. With `reuse`
+        (select_reuse) a compressed layer reads its selection through its reuse buffer, in the buffer's
+        column order."""
         self.is_initialized = True
         B, H, T, D = key_states.shape
         s0, s1 = self.n_slots, self.n_slots + T
         dev = key_states.device
-        latent = self.reads_latent(latent, key_states)
+        reuse = reuse and self.can_reuse and not torch.is_grad_enabled()
+        latent = self.reads_latent(latent, key_states) and not reuse  # a buffer holds whole values
         before = self._decoded()
         parts, read = [], 0
         for gi, (grp, store, sel, k_new, v_new) in enumerate(self._groups(key_states, value_states, rows)):
@@ -168,10 +185,16 @@ class _GroupedLayer(CacheLayerMixin):
                 hist = grp.start + ords.to(device=dev, dtype=torch.long)
             pos_all = rows.positions[sel]
             pos = torch.cat([pos_all.gather(1, hist), pos_all[:, first_new:s1]], dim=1)
-            ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, latent=latent)
+            read += n_rows * hist.shape[1]
+            if reuse and ords is not None:  # the buffer's columns come in its slot order
+                buf = self._buffer(gi)
+                ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, buffer=buf)
+                cols = buf.columns()
+                hist = torch.where(cols >= 0, grp.start + cols, -1)
+            else:
+                ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, latent=latent)
             slots = torch.cat([hist, torch.arange(first_new, s1, device=dev).expand(n_rows, -1)], dim=1)
             parts.append((grp, ts, slots))
-            read += n_rows * hist.shape[1]
         self.n_slots = s1
         self._count(rows, s0, T, before, read)
         if len(parts) == 1:
@@ -230,6 +253,16 @@ class _GroupedLayer(CacheLayerMixin):
         raise ValueError("selecting batch rows is not supported by the ResidualKV cache")
 
 
+def _rope_at(rope: tuple, ordinals: torch.Tensor, some: torch.Tensor) -> tuple:
+    """RoPE (cos, sin [B, S, D], H) given at the sorted `ordinals` [B, S] -> at `some` [B, j] of them."""
+    at = torch.searchsorted(ordinals, some)[..., None].expand(-1, -1, rope[0].shape[-1])
+    return rope[0].gather(1, at), rope[1].gather(1, at), rope[2]
+
+
+def _as(like: torch.Tensor, kv: tuple) -> tuple:
+    return tuple(t.to(like.dtype) for t in kv)
+
+
 def _batch(parts: list[tuple[torch.Tensor, tuple]], B: int, L: int, right_aligned: bool) -> tuple:
     """Row groups' reads (batch rows, tensors [rows, X, l, F], and Latents) -> tensors [B, X, L, F],
     each group's l columns at the end (`right_aligned`: slot order, padding first) or at the start;
@@ -248,6 +281,8 @@ def _batch(parts: list[tuple[torch.Tensor, tuple]], B: int, L: int, right_aligne
 
 
 class ResidualLayer(_GroupedLayer):
+    can_reuse = True
+
     def __init__(self, codec: LayerCodec, cfg: ResidualKVConfig, schedule: ReferenceSchedule, rope: RopeTable):
         self.codec, self.cfg, self.schedule, self.rope = codec, cfg, schedule, rope
         self.rec_terms: list[torch.Tensor] | None = None  # training hook, see ResidualKVCache.collect_rec_loss
@@ -265,15 +300,19 @@ class ResidualLayer(_GroupedLayer):
         return (latent and key_states.shape[2] == 1 and self.n_slots > 0 and not torch.is_grad_enabled()
                 and self.codec.absorbable and not kernel_reads(self.cfg, key_states))
 
-    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None, latent=False):
+    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None, latent=False, buffer=None):
         """`pos` holds the RoPE positions of the returned tokens: the history read (all of it, or the
-        tokens at `ordinals` [B, S]) followed by the new tokens. Returns K, V (and Z with `latent`)."""
+        tokens at `ordinals` [B, S]) followed by the new tokens. Returns K, V (and Z with `latent`).
+        With a reuse `buffer` the history comes back in the buffer's slots (TokenBuffer.columns)."""
         B, H, T, D = k.shape
         cos, sin = self.rope.cos_sin(pos, torch.float32)
         # the history comes back with its keys rotated (inside the fused reconstruction on the kernel)
         hist_rope = (cos[:, :-T], sin[:, :-T], H)
         if ordinals is None:
             history = store.read(hist_rope, latent) if store.n else None
+        elif buffer is not None:
+            history = buffer.read(ordinals, store.n_coded, store.n,
+                                  lambda new: _as(k, store.read_selected(new, _rope_at(hist_rope, ordinals, new))))
         else:
             history = store.read_selected(ordinals, hist_rope, latent)
         k_pre = invert_rope(k.float(), cos[:, -T:], sin[:, -T:])
@@ -447,7 +486,7 @@ class ResidualKVCache(Cache):
         if self.latent is not None:
             self.latent = type(self.latent)(self)
 
-    READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool", "new_kv")
+    READ_FIELDS = ("mode", "select_budget", "select_ratio", "n_recent", "select_pool", "select_reuse", "new_kv")
 
     def fork(self, **changes) -> "ResidualKVCache":
         """An independent copy of the stored tokens that reads them under other read settings (`mode`

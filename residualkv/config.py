@@ -59,6 +59,10 @@ class ResidualKVConfig:
     select_ratio: float | None = None
     n_recent: int = 128
     select_pool: int = 1  # max-pool width over token scores (authors' pool_kernel_size, 1 = none)
+    # "omnikv": keep the sparse layers' reconstructed tokens between decode steps and reconstruct only the
+    # ones a step's I_t adds (residualkv/reuse.py); the same attention, fewer decodes, more working memory
+    # (reported as working_vs_fp16, outside KR). Not in the seed.
+    select_reuse: bool = False
     snapkv_window: int = 32  # SnapKV observation window: the last prompt tokens whose queries vote
     snapkv_pool: int = 5  # SnapKV average-pool width over the votes (as residualkv.snapkv / kvpress)
     # what attention reads for the tokens a forward call writes (a prompt in prefill, the new token in
@@ -99,6 +103,7 @@ class ResidualKVConfig:
         for name in ("select_pool", "snapkv_pool"):
             w = getattr(self, name)
             _check(w >= 1 and w % 2 == 1, name, w, "use an odd pooling width of at least 1")
+        _check(isinstance(self.select_reuse, bool), "select_reuse", self.select_reuse, "use True or False")
         _check(self.snapkv_window >= 1, "snapkv_window", self.snapkv_window, "use at least one observation query (SnapKV default 32)")
         _check(len(set(self.full_attention_layers)) == len(self.full_attention_layers), "full_attention_layers",
                self.full_attention_layers, "list each layer id once")

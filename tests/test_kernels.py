@@ -395,13 +395,15 @@ def test_kernels_compile_for_sm90():
 # the library on the kernels: a whole model run through the cache with kernel_impl="triton"
 
 
-@pytest.mark.parametrize("mode,layer_d_c", [("standalone", None), ("omnikv", None), ("snapkv", None),
-                                            ("omnikv", {2: 64})])
-def test_cache_on_kernels_matches_cache_on_torch(mode, layer_d_c):
+@pytest.mark.parametrize("mode,layer_d_c,reuse", [("standalone", None, False), ("omnikv", None, False),
+                                                  ("snapkv", None, False), ("omnikv", {2: 64}, False),
+                                                  ("omnikv", None, True)])
+def test_cache_on_kernels_matches_cache_on_torch(mode, layer_d_c, reuse):
     """Prefill + decode through `ResidualKVCache` with every hot path on the Triton kernels (top-k,
     quantise-and-pack on write; fused reconstruction with RoPE on full and selective reads; decode
     attention of the KIVI layers on their packed bytes) gives the same stored bytes, the same tokens and
-    near-identical logits as the torch path; also with another latent size in one layer."""
+    near-identical logits as the torch path; also with another latent size in one layer, and with the
+    sparse layers' reuse buffer (the kernel reconstructs only the tokens a step adds)."""
     from transformers import LlamaForCausalLM
 
     from residualkv.attention import install
@@ -412,7 +414,8 @@ def test_cache_on_kernels_matches_cache_on_torch(mode, layer_d_c):
     model = LlamaForCausalLM(tiny_llama_config()).eval().to(DEV)
     install(model)
     # filter layers 0 and 1: layer 1 chooses I_t (reads K), layer 0 decodes on the fused KIVI kernel
-    cfg = ResidualKVConfig(full_attention_layers=(0, 1), stride=4, n_sink=2, mode=mode, select_budget=12, n_recent=4)
+    cfg = ResidualKVConfig(full_attention_layers=(0, 1), stride=4, n_sink=2, mode=mode, select_budget=12, n_recent=4,
+                           select_reuse=reuse)
     codec = ResidualCodec.for_model(model.config, cfg, d_c=32, d_ff=48, seed=0, layer_d_c=layer_d_c).to(DEV)
     ids = torch.randint(0, 128, (2, 40), generator=_gen(1)).to(DEV)
     runs = {}

@@ -12,7 +12,9 @@ from residualkv.cache import OmniKVCache, ResidualKVCache, ResidualLayer
 from residualkv.stores import Latents, ResidualStore, RowStores
 from residualkv.codec import ResidualCodec
 from residualkv.config import ConfigError, ResidualKVConfig
+from residualkv.evaluation.cli import default_methods
 from residualkv.methods import build_cache
+from residualkv.reuse import assign
 from residualkv.schedule import ReferenceSchedule
 
 from .conftest import tiny_llama_config
@@ -344,6 +346,91 @@ def test_same_start_rows_share_a_group_and_select_independently(model, codec):
         assert both.sequences[i, :n].tolist() == alone.sequences[0].tolist()
 
 
+# ---- the reuse buffer (select_reuse) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,m,empty", [(12, 12, 0), (12, 9, 0), (12, 9, 4), (12, 0, 0)])
+def test_assign_keeps_chosen_ids_in_their_slots_and_fills_freed_ones(n, m, empty):
+    g = torch.Generator().manual_seed(n + m + empty)
+    universe = 30
+    held = torch.stack([torch.randperm(universe, generator=g)[:n] for _ in range(6)]).view(2, 3, n)
+    held[..., :empty] = -1
+    wanted = torch.stack([torch.randperm(universe, generator=g)[:m] for _ in range(6)]).view(2, 3, m)
+    before = held.clone()
+    ids, slots, visible = assign(held, wanted, universe)
+    new = [[set(w.tolist()) - set(b.tolist()) for w, b in zip(W, B)] for W, B in zip(wanted, before)]
+    assert ids.shape[-1] == max(len(x) for row in new for x in row)
+    for e in [(i, j) for i in range(2) for j in range(3)]:
+        h, b, w = held[e], before[e], set(wanted[e].tolist())
+        assert sorted(h[visible[e]].tolist()) == sorted(w)  # every wanted id held once, nothing else visible
+        assert torch.equal(h[slots[e]], ids[e])
+        assert set(ids[e].tolist()) >= new[e[0]][e[1]]  # the new ones, plus held ones rebuilt in place
+        for s in range(n):
+            if b[s].item() in w:
+                assert h[s] == b[s]  # a chosen id keeps its slot
+
+
+@pytest.mark.parametrize("changes", [dict(select_budget=12, n_recent=6), dict(select_budget=12, n_recent=6, recent_window=8),
+                                     dict(select_ratio=0.2, n_recent=4)], ids=["budget", "fp16-window", "ratio"])
+def test_reuse_buffer_attends_as_a_fresh_read_and_reconstructs_less(model, codec, changes):
+    """With select_reuse the sparse layers keep what they reconstructed and decode only the tokens a
+    step's I_t adds: the same tokens and logits, the same tokens attended (CR), fewer codes decoded;
+    the buffer is working memory, reported beside KR. A ratio budget grows the buffer; FP16 window
+    tokens are read again once coded."""
+    ids = _ids(200, seed=2)
+    fresh = _cache(model, codec, mode="omnikv", **changes)
+    kept = _cache(model, codec, mode="omnikv", select_reuse=True, **changes)
+    a, b = _generate(model, ids, fresh, n=12), _generate(model, ids, kept, n=12)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.scores, b.scores):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    ra, rb = accounting.report(fresh), accounting.report(kept)
+    assert rb["cr_per_layer"] == ra["cr_per_layer"]
+    assert rb["tokens_attended_per_step"] == ra["tokens_attended_per_step"]
+    assert rb["kr_measured"] == ra["kr_measured"] and ra["working_vs_fp16"] == 0
+    for i in (2, 3):  # the sparse layers, after filter layer 1
+        fa, fb = fresh.layers[i].decode_log, kept.layers[i].decode_log
+        assert fb[0] == fa[0]  # the first decode step fills the buffer
+        assert sum(e[2] for e in fb[1:]) < 0.8 * sum(e[2] for e in fa[1:])
+    H, D = model.config.num_key_value_heads, model.config.head_dim
+    slots = [layer.buffers[0].ids.shape[1] for layer in kept.layers[2:]]
+    assert all(s >= ra["reconstruction_per_layer_per_step"]["2"]["attended"] for s in slots)
+    # per slot: K and V in the model's dtype (float32), its ordinal (int64) and whether it is visible
+    assert rb["reuse_buffer_bytes"] == sum(s * (2 * H * D * 4 + 8 + 1) for s in slots)
+    assert rb["working_vs_fp16"] == pytest.approx(rb["reuse_buffer_bytes"] / rb["fp16_bytes"])
+    if "select_budget" in changes:
+        n_recent = max(changes["n_recent"], changes.get("recent_window", 0))
+        assert slots == [2 + n_recent + 12] * 2  # a fixed budget keeps a fixed buffer
+
+
+def test_reuse_buffer_with_row_groups_and_fork(model, codec):
+    """Left-padded and same-start rows (each row group its own buffer; rows of a group adding different
+    counts rebuild as many), and a fork into select_reuse from a filled cache: the same tokens."""
+    a, b = _ids(90, seed=4, batch=2), _ids(61, seed=5)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 29, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[2, :29] = 0
+    changes = dict(mode="omnikv", select_budget=16, n_recent=8)
+    fresh = _generate(model, batch, _cache(model, codec, **changes), mask, n=12)
+    kept_cache = _cache(model, codec, select_reuse=True, **changes)
+    kept = _generate(model, batch, kept_cache, mask, n=12)
+    assert torch.equal(fresh.sequences, kept.sequences)
+    for x, y in zip(fresh.scores, kept.scores):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert [buf.ids.shape[0] for buf in kept_cache.layers[2].buffers] == [2, 1]
+    ref = _cache(model, codec, **changes)
+    with torch.no_grad():
+        tok = model(a[:1], cache=ref, use_cache=True).logits[:, -1:].argmax(-1)
+        forked = ref.fork(select_reuse=True)
+        for _ in range(6):
+            x, y = model(tok, cache=ref).logits, model(tok, cache=forked).logits
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+            tok = x[:, -1:].argmax(-1)
+    assert forked.layers[2].buffer_bytes() > 0 == ref.layers[2].buffer_bytes()
+    with pytest.raises(ConfigError, match="select_reuse"):
+        CFG.replace(select_reuse="yes")
+
+
 # ---- SnapKV combination ---------------------------------------------------------------------------------
 
 
@@ -481,6 +568,11 @@ def test_methods_registry_sparse_methods(model, codec):
         cache = build_cache(name, model, codec, select_budget=8)
         assert cache.config.mode == mode and cache.config.select_budget == 8
         _generate(model, ids, cache, n=3)
+    reuse = build_cache("residualkv-reuse", model, codec, select_budget=8, n_recent=4)
+    assert reuse.config.mode == "omnikv" and reuse.config.select_reuse
+    _generate(model, ids, reuse, n=3)
+    assert accounting.report(reuse)["working_vs_fp16"] > 0
+    assert "residualkv-reuse" not in default_methods().split(",")  # a speed variant: run when named
     with pytest.raises(ValueError, match="mode"):
         build_cache("residualkv", model, codec, mode="snapkv")
     with pytest.raises(ConfigError, match="select_ratio"):

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import LowRAMConfig
+from ..reuse import assign
 from ..stores import nbytes_of
 from .quantised import Quantised, bytes_per_coord, head_group
 
@@ -143,20 +144,9 @@ class Selective:
             self.buffer = (chunks.clone(), k.to(torch.float16), v.to(torch.float16))
             return self.buffer[1].float(), self.buffer[2].float()  # every step reads the buffer's FP16
         ids, bk, bv = self.buffer
-        # per (row, KV head) and chunk of the prompt: the slot holding it (-1: none), and whether it is chosen
-        slot_of = torch.full(self.landmarks.shape[:3], -1, dtype=torch.long, device=ids.device)
-        slot_of.scatter_(-1, ids, torch.arange(ids.shape[-1], device=ids.device).expand_as(ids))
-        chosen = torch.zeros(self.landmarks.shape[:3], dtype=torch.bool, device=ids.device)
-        chosen.scatter_(-1, chunks, True)
-        own = slot_of.gather(-1, chunks)  # [R, H, chosen]
-        found, kept = own >= 0, chosen.gather(-1, ids)
-        m = int((~found).sum(-1).max())
+        new, slots, _ = assign(ids, chunks, self.landmarks.shape[2])
+        m = new.shape[-1]
         if m:
-            order = torch.argsort(found.to(torch.uint8), dim=-1, stable=True)[..., :m]  # new chunks first
-            new = chunks.gather(-1, order)
-            freed = torch.argsort(kept.to(torch.uint8), dim=-1, stable=True)[..., :m]  # freed slots first
-            slots = torch.where(found.gather(-1, order), own.gather(-1, order), freed)
-            ids.scatter_(-1, slots, new)
             kr, vr = rebuild(chunk_tokens(new, c))
             rows = chunk_tokens(slots, c)[..., None].expand_as(kr)
             bk.scatter_(2, rows, kr.to(torch.float16))
