@@ -16,6 +16,8 @@ decoded + references read, summed over the compressed layers) come from the cach
                                                        #   the softmax, to time LatentValues side by side
     python benchmarks/decode_speed.py --lowram         # + LowRAM (4x) and LowRAM-SR (4x, selective reconstruction)
                                                        #   fitted to the same prefill, beside them
+    python benchmarks/decode_speed.py --reuse          # + ResidualKV + OmniKV with select_reuse (the sparse layers
+                                                       #   keep their reconstructed tokens between steps)
 
 Writes benchmarks/results/decode_speed_cpu{_quick}.json and a PNG plot next to it.
 """
@@ -49,6 +51,7 @@ from trees import describe  # noqa: E402
 
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
 VALUES_FIRST = ":values-first"  # --values-first: a deployment read with the values decoded before the softmax
+REUSE = "residualkv+omnikv:reuse"  # --reuse: OmniKV's sparse layers with their reuse buffer (select_reuse)
 
 
 def get_codec(model, spec, cfg, path=None):
@@ -93,6 +96,9 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     fill_s = fill_from(full, standalone, ctx)
     caches = {"full": full, "residualkv-standalone": standalone,
               "residualkv+omnikv": standalone.fork(mode="omnikv", select_budget=args.budget, n_recent=args.recent)}
+    if args.reuse:
+        caches[REUSE] = standalone.fork(mode="omnikv", select_budget=args.budget, n_recent=args.recent,
+                                        select_reuse=True)
     lowram_fill_s = {}
     if args.lowram:  # the prompt handed over in one call, as LowRAM's prefill sees it; the fit happens here
         for name in args.lowram_methods.split(","):
@@ -137,6 +143,7 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
             attended = rep["tokens_attended_per_step"][steps_before[name]:]
             history = rep["history_tokens_per_step"][steps_before[name]:]
             rec.update({"kr_measured": rep["kr_measured"], "cr": rep["cr"], "cr_formula": rep["cr_formula"],
+                        "working_vs_fp16": rep["working_vs_fp16"],
                         "latent_value_layer_steps": c.latent.steps if c.latent is not None else 0,
                         "tokens_reconstructed_per_step": statistics.mean(per_step),
                         "tokens_reconstructed_per_step_per_sparse_layer": _per_sparse_layer(rep, cfg),
@@ -177,7 +184,7 @@ def plot(results: list[dict], path: Path, note: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in results]
-    names = [*METHODS, *(n for n in results[0]["methods"] if n.startswith("lowram"))]
+    names = [*METHODS, REUSE, *(n for n in results[0]["methods"] if n.startswith("lowram"))]
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")
     for name, color in zip(names, colors):
         if name not in results[0]["methods"]:
@@ -216,6 +223,9 @@ def main(argv=None) -> int:
                    help="also time the --lowram-methods (their 150-step fits to the prompt are not timed as decode)")
     p.add_argument("--lowram-methods", default="lowram,lowram-sr",
                    help="with --lowram: comma list of LowRAM methods (default: lowram,lowram-sr; e.g. + lowram-sr16)")
+    p.add_argument("--reuse", action="store_true",
+                   help=f"also time {REUSE}: ResidualKV + OmniKV whose sparse layers keep their reconstructed tokens "
+                        "and decode only those a step adds (select_reuse; working memory reported as working_vs_fp16)")
     p.add_argument("--budget", type=int, default=2048, help="OmniKV tokens chosen per step (besides sinks/recent)")
     p.add_argument("--recent", type=int, default=128)
     p.add_argument("--threads", type=int, default=1,
@@ -263,7 +273,7 @@ def main(argv=None) -> int:
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_start": load,
                "load_average_end": os.getloadavg(), "machine": platform.machine(), "torch": torch.__version__,
                "commit": describe(ROOT),
-               "values_first_rows": args.values_first,
+               "values_first_rows": args.values_first, "reuse_rows": args.reuse,
                "lowram_rows": args.lowram_methods.split(",") if args.lowram else False,
                "omnikv": {"select_budget": args.budget, "n_sink": cfg.n_sink, "n_recent": args.recent,
                           "filter_layers": list(cfg.full_attention_layers)},

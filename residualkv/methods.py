@@ -44,12 +44,12 @@ def _kivi(bits: int):
     return build
 
 
-def _residual(name: str, description: str, **overrides) -> Method:
+def _residual(name: str, description: str, *, in_default: bool = True, **overrides) -> Method:
     """A trained-codec method: the caller's changes apply over the codec's own config."""
     def build(model, codec, base, changes=None):
         # the codec's own config (it was trained with that schedule), the caller's changes, the method's mode
         return ResidualKVCache.from_model(model, codec, codec.config.replace(**{**(changes or {}), **overrides}))
-    return Method(name, description, True, build, changes="codec")
+    return Method(name, description, True, build, in_default=in_default, changes="codec")
 
 
 def _omnikv(model, codec, base):
@@ -92,6 +92,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("omnikv", "OmniKV dynamic selection on the FP16 full cache (no compression, KR = 100%)", False, _omnikv),
     _residual("residualkv", "ResidualKV + OmniKV (default deployment): trained codec, INT4 latents, sparse layers "
               "reconstruct only the tokens the filter layers select", bits=4, mode="omnikv"),
+    # reads what residualkv reads: a decode-speed variant, run only when named
+    _residual("residualkv-reuse", "ResidualKV + OmniKV as residualkv, the sparse layers keeping their reconstructed "
+              "tokens between steps (working memory beside the stored bytes, reported) and decoding only those a "
+              "step's selection adds", in_default=False, bits=4, mode="omnikv", select_reuse=True),
     _residual("residualkv-standalone", "ResidualKV standalone: trained codec, INT4 latents, every token reconstructed "
               "(CR = 100%)", bits=4, mode="standalone"),
     _residual("residualkv-snapkv", "ResidualKV + SnapKV: trained codec, INT4 latents, compressed layers keep only "
