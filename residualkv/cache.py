@@ -259,10 +259,6 @@ def _rope_at(rope: tuple, ordinals: torch.Tensor, some: torch.Tensor) -> tuple:
     return rope[0].gather(1, at), rope[1].gather(1, at), rope[2]
 
 
-def _as(like: torch.Tensor, kv: tuple) -> tuple:
-    return tuple(t.to(like.dtype) for t in kv)
-
-
 def _batch(parts: list[tuple[torch.Tensor, tuple]], B: int, L: int, right_aligned: bool) -> tuple:
     """Row groups' reads (batch rows, tensors [rows, X, l, F], and Latents) -> tensors [B, X, L, F],
     each group's l columns at the end (`right_aligned`: slot order, padding first) or at the start;
@@ -312,7 +308,7 @@ class ResidualLayer(_GroupedLayer):
             history = store.read(hist_rope, latent) if store.n else None
         elif buffer is not None:
             history = buffer.read(ordinals, store.n_coded, store.n,
-                                  lambda new: _as(k, store.read_selected(new, _rope_at(hist_rope, ordinals, new))))
+                                  lambda new: store.read_selected(new, _rope_at(hist_rope, ordinals, new)), k.dtype)
         else:
             history = store.read_selected(ordinals, hist_rope, latent)
         k_pre = invert_rope(k.float(), cos[:, -T:], sin[:, -T:])

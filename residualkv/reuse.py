@@ -53,9 +53,11 @@ def assign(held: torch.Tensor, wanted: torch.Tensor, universe: int) -> tuple[tor
 
 class TokenBuffer:
     """One row group's reconstructed history tokens kept between decode steps, for a compressed layer
-    under OmniKV: K, V [B, H, n, D] in the attention's dtype (the same bits the attention would get
-    from a fresh read), keys rotated, and the ordinal each slot holds [B, n] (-1: none). Tokens read from
-    the FP16 recent window are read again at every step, since they are coded when they leave it."""
+    under OmniKV: K, V [B, H, n, D], keys rotated, and the ordinal each slot holds [B, n] (-1: none).
+    K and V are kept in the attention's dtype where it is 16-bit (the bits a fresh read hands it), else
+    in FP16 (a float32 model on CPU: half the memory, reads within FP16 rounding of a fresh read, as
+    LowRAM-SR's buffer). Tokens read from the FP16 recent window are read again at every step, since
+    they are coded when they leave it."""
 
     def __init__(self):
         self.ids: torch.Tensor | None = None
@@ -66,13 +68,15 @@ class TokenBuffer:
         self.rebuilt = 0  # tokens per row the last read reconstructed
 
     def read(self, wanted: torch.Tensor, n_coded: int, n: int,
-             rebuild: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+             rebuild: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, H, slots, D] holding the tokens at ordinals `wanted` [B, S] of a store with n tokens,
-        n_coded of them coded; `rebuild(ordinals [B, j])` reconstructs tokens (K, V [B, H, j, D]).
-        Slots holding tokens not wanted are left in place: `columns` masks them."""
+        n_coded of them coded; `rebuild(ordinals [B, j])` reconstructs tokens (K, V [B, H, j, D]) for an
+        attention in `dtype`. Slots holding tokens not wanted are left in place: `columns` masks them."""
         B, S = wanted.shape
+        keep = dtype if dtype.itemsize == 2 else torch.float16
         if self.ids is None or self.ids.shape[0] != B:
-            self.k, self.v = rebuild(wanted)
+            self.k, self.v = (t.to(keep) for t in rebuild(wanted))
             self.ids, self.visible, self.rebuilt = wanted.clone().long(), torch.ones_like(wanted, dtype=torch.bool), S
         else:
             self.ids[self.ids >= self.coded] = -1  # window reads: coded since, or read again anyway
@@ -85,8 +89,8 @@ class TokenBuffer:
             if ids.shape[1]:
                 k, v = rebuild(ids)
                 at = slots[:, None, :, None]
-                self.k.scatter_(2, at.expand(-1, k.shape[1], -1, k.shape[3]), k)
-                self.v.scatter_(2, at.expand(-1, v.shape[1], -1, v.shape[3]), v)
+                self.k.scatter_(2, at.expand(-1, k.shape[1], -1, k.shape[3]), k.to(keep))
+                self.v.scatter_(2, at.expand(-1, v.shape[1], -1, v.shape[3]), v.to(keep))
             self.rebuilt = ids.shape[1]
         self.coded = n_coded
         return self.k, self.v

@@ -374,16 +374,16 @@ def test_assign_keeps_chosen_ids_in_their_slots_and_fills_freed_ones(n, m, empty
                                      dict(select_ratio=0.2, n_recent=4)], ids=["budget", "fp16-window", "ratio"])
 def test_reuse_buffer_attends_as_a_fresh_read_and_reconstructs_less(model, codec, changes):
     """With select_reuse the sparse layers keep what they reconstructed and decode only the tokens a
-    step's I_t adds: the same tokens and logits, the same tokens attended (CR), fewer codes decoded;
-    the buffer is working memory, reported beside KR. A ratio budget grows the buffer; FP16 window
-    tokens are read again once coded."""
+    step's I_t adds: the same tokens, logits within the buffer's FP16 rounding, the same tokens attended
+    (CR), fewer codes decoded; the buffer is working memory, reported beside KR. A ratio budget grows the
+    buffer; FP16 window tokens are read again once coded."""
     ids = _ids(200, seed=2)
     fresh = _cache(model, codec, mode="omnikv", **changes)
     kept = _cache(model, codec, mode="omnikv", select_reuse=True, **changes)
     a, b = _generate(model, ids, fresh, n=12), _generate(model, ids, kept, n=12)
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.scores, b.scores):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # the buffer keeps FP16
     ra, rb = accounting.report(fresh), accounting.report(kept)
     assert rb["cr_per_layer"] == ra["cr_per_layer"]
     assert rb["tokens_attended_per_step"] == ra["tokens_attended_per_step"]
@@ -395,8 +395,8 @@ def test_reuse_buffer_attends_as_a_fresh_read_and_reconstructs_less(model, codec
     H, D = model.config.num_key_value_heads, model.config.head_dim
     slots = [layer.buffers[0].ids.shape[1] for layer in kept.layers[2:]]
     assert all(s >= ra["reconstruction_per_layer_per_step"]["2"]["attended"] for s in slots)
-    # per slot: K and V in the model's dtype (float32), its ordinal (int64) and whether it is visible
-    assert rb["reuse_buffer_bytes"] == sum(s * (2 * H * D * 4 + 8 + 1) for s in slots)
+    # per slot: K and V in FP16 (the model computes in float32), its ordinal (int64) and whether it is visible
+    assert rb["reuse_buffer_bytes"] == sum(s * (2 * H * D * 2 + 8 + 1) for s in slots)
     assert rb["working_vs_fp16"] == pytest.approx(rb["reuse_buffer_bytes"] / rb["fp16_bytes"])
     if "select_budget" in changes:
         n_recent = max(changes["n_recent"], changes.get("recent_window", 0))
@@ -416,7 +416,7 @@ def test_reuse_buffer_with_row_groups_and_fork(model, codec):
     kept = _generate(model, batch, kept_cache, mask, n=12)
     assert torch.equal(fresh.sequences, kept.sequences)
     for x, y in zip(fresh.scores, kept.scores):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # the buffer keeps FP16
     assert [buf.ids.shape[0] for buf in kept_cache.layers[2].buffers] == [2, 1]
     ref = _cache(model, codec, **changes)
     with torch.no_grad():
@@ -424,7 +424,7 @@ def test_reuse_buffer_with_row_groups_and_fork(model, codec):
         forked = ref.fork(select_reuse=True)
         for _ in range(6):
             x, y = model(tok, cache=ref).logits, model(tok, cache=forked).logits
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # the buffer keeps FP16
             tok = x[:, -1:].argmax(-1)
     assert forked.layers[2].buffer_bytes() > 0 == ref.layers[2].buffer_bytes()
     with pytest.raises(ConfigError, match="select_reuse"):
