@@ -496,6 +496,8 @@ def test_selection_ratio_variants(tiny_lm):
     codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=16)
     cache = build_method_cache("residualkv-snapkv-r20", tiny_lm, codec)
     assert cache.config.select_ratio == 0.2 and cache.config.mode == "snapkv"
+    cache = build_method_cache("residualkv-reuse-r08", tiny_lm, codec)
+    assert cache.config.select_ratio == 0.08 and cache.config.select_reuse
 
 
 def test_write_outputs_refuses_rows_without_the_contract(tmp_path):
