@@ -8,7 +8,8 @@ skipped), it
      memory bandwidth;
   3. measures decode tokens/s against context length (32K-256K, batch 1 and 8 where memory allows)
      for a Llama-3.1-8B-shaped model with random bf16 weights: full cache vs ResidualKV standalone
-     (library path, and the Triton-kernel path) vs ResidualKV + OmniKV (when the library has it);
+     (library path, and the Triton-kernel path) vs ResidualKV + OmniKV (when the library has it), also
+     with its sparse layers' reuse buffer (select_reuse);
   4. writes benchmarks/results/gpu_<device-slug>.json (device, versions, every figure) and a plot.
 
 `--quick` shrinks everything to toy shapes; without a GPU it runs the kernels in Triton's CPU
@@ -676,19 +677,25 @@ def estimate_bytes(variant, model_cfg, cfg, n, B, d_c):
     temps = B * n * 2 * H * D * 4 * (cfg.k + 6)  # the torch path's fp32 temporaries for one layer
     if variant == "residualkv-library":
         return kivi + 2 * resid + temps
-    if variant == "residualkv+omnikv":  # filter layers dequantise all of their history each step
-        return kivi + 2 * resid + 3 * full_layer
+    if variant.startswith("residualkv+omnikv"):  # filter layers dequantise all of their history each step
+        selected = min(n, cfg.select_budget + cfg.n_sink + cfg.n_recent)
+        buffer = (L - nf) * 2 * B * H * selected * D * 2 if variant.endswith("reuse") else 0
+        return kivi + 2 * resid + 3 * full_layer + buffer
     extra = nf * full_layer if variant.endswith("fp16-full-layers") else 0
     return kivi + resid + full_layer + extra
 
 
-VARIANTS = ["full", "residualkv-library", "residualkv+omnikv", "residualkv-kernels", "residualkv-kernels+fp16-full-layers"]
+# the reuse variant last: where the time budget runs short it is the one skipped
+VARIANTS = ["full", "residualkv-library", "residualkv+omnikv", "residualkv-kernels", "residualkv-kernels+fp16-full-layers",
+            "residualkv+omnikv+reuse"]
 VARIANT_NOTES = {
     "full": "bf16 full cache, preallocated; SDPA over all tokens",
     "residualkv-library": "ResidualKVCache standalone (CR 100%) as the library runs it on CUDA: its kernels "
                           "(fused reconstruction with RoPE, fused KIVI-4 decode attention), history rebuilt "
                           "into new tensors every step",
     "residualkv+omnikv": "ResidualKVCache mode 'omnikv' (residualkv.attention), the library on its kernels",
+    "residualkv+omnikv+reuse": "as residualkv+omnikv with select_reuse: the sparse layers keep their reconstructed "
+                               "tokens (bf16) and reconstruct only those a step's selection adds",
     "residualkv-kernels": "standalone (CR 100%) on the Triton kernels: topk_l2 + quant_pack on write, "
                           "reconstruct_selected on read, fused KIVI-4 attention on full layers",
     "residualkv-kernels+fp16-full-layers": "as residualkv-kernels but full layers in bf16 (bench-only emulation of "
@@ -747,7 +754,7 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                     continue  # its parts (FullLayer, KernelResidualLayer) are smoke-tested by the others
                 row = {"context": n, "batch": B, "variant": variant}
                 rows.append(row)
-                if variant == "residualkv+omnikv" and omni is not None:
+                if variant.startswith("residualkv+omnikv") and omni is not None:
                     row.update(omni)
                     continue
                 need = estimate_bytes(variant, model_cfg, cfg, n, B, d_c)
@@ -769,8 +776,9 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                                             for _ in range(model_cfg.num_hidden_layers)])
                     else:  # fresh synthetic state: every variant appends tokens to the stores it uses
                         layers_state, sched = synthetic_state(model_cfg, cfg, d_c, n, 64, B, dev, gen, quick)
-                        if variant in ("residualkv-library", "residualkv+omnikv"):
-                            mode_cfg = cfg.replace(mode="omnikv") if variant == "residualkv+omnikv" else cfg
+                        if variant == "residualkv-library" or variant.startswith("residualkv+omnikv"):
+                            mode_cfg = (cfg.replace(mode="omnikv", select_reuse=variant.endswith("reuse"))
+                                        if variant != "residualkv-library" else cfg)
                             cache = library_cache(model, codec, mode_cfg, layers_state, n, B, dev)
                         else:
                             shared = Shared(RopeTable.from_model(model), sched, n, n + 64, B, H, D, dev, dtype)
@@ -781,9 +789,12 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                     ms = decode_steps(model, cache, B, n, 1 if variant == "residualkv-library" else steps, dev, gen,
                                       warmup=0 if quick else 1)
                     row.update(status="ok", ms_per_step=round(ms, 2), tokens_per_s=round(B * 1e3 / ms, 2))
-                    if variant == "residualkv+omnikv":  # what the sparse layers actually reconstructed
+                    if variant.startswith("residualkv+omnikv"):  # what the sparse layers actually reconstructed
                         logs = [lay.decode_log[-1] for lay in cache.layers if getattr(lay, "decode_log", None)]
                         row["attended_tokens_per_layer_last_step"] = [lg[1] for lg in logs]
+                        row["codes_decoded_per_layer_last_step"] = [lg[2] for lg in logs]
+                        row["working_bytes"] = sum(lay.buffer_bytes() for lay in cache.layers
+                                                   if hasattr(lay, "buffer_bytes"))
                 except torch.cuda.OutOfMemoryError as e:
                     row["status"] = f"OOM: {str(e).splitlines()[0][:160]}"
                 except Exception as e:  # keep measuring the other variants; record why this one failed
@@ -817,6 +828,9 @@ def targets(micro, kivi_rows, decode_rows, peak) -> dict:
     omni = [r for r in decode_rows if r.get("variant") == "residualkv+omnikv" and r["context"] >= 131072]
     t["omnikv_vs_full_at_ge_128K"] = [{k: r.get(k) for k in ("context", "batch", "status", "speed_vs_full")}
                                       for r in omni]
+    t["omnikv_reuse_vs_full_at_ge_128K"] = [{k: r.get(k) for k in ("context", "batch", "status", "speed_vs_full")}
+                                            for r in decode_rows if r.get("variant") == "residualkv+omnikv+reuse"
+                                            and r["context"] >= 131072]
     t["omnikv_target"] = "ResidualKV + OmniKV >= 2x the full cache's tokens/s at >= 128K tokens"
     return t
 
