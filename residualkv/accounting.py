@@ -271,4 +271,6 @@ def explain(rep: dict[str, Any]) -> str:
         lines.append(f"  {k:32s} {v:+.3%}")
     if rep.get("gap"):
         lines.append(f"  {'unexplained':32s} {rep['unexplained']:+.3%}")
+    if rep.get("working_vs_fp16"):
+        lines.append(f"  plus working memory (reuse buffers, not in KR): {rep['working_vs_fp16']:.2%} of the FP16 cache")
     return "\n".join(lines)
