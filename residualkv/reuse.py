@@ -51,6 +51,15 @@ def assign(held: torch.Tensor, wanted: torch.Tensor, universe: int) -> tuple[tor
     return ids, slots, kept
 
 
+def put(buf: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
+    """buf[..., at[..., i], :] = rows[..., i, :] for contiguous buf [..., N, D], at [..., j], rows [..., j, D]:
+    one index_copy_ of whole D-wide rows, ~4x faster on CPU than a scatter_ over an index expanded to D."""
+    N, D = buf.shape[-2:]
+    lead = at.numel() // max(at.shape[-1], 1)
+    idx = (torch.arange(lead, device=at.device)[:, None] * N + at.reshape(lead, -1)).reshape(-1)
+    buf.view(-1, D).index_copy_(0, idx, rows.reshape(-1, D).to(buf.dtype))
+
+
 class TokenBuffer:
     """One row group's reconstructed history tokens kept between decode steps, for a compressed layer
     under OmniKV: K, V [B, H, n, D], keys rotated, and the ordinal each slot holds [B, n] (-1: none).
@@ -76,7 +85,7 @@ class TokenBuffer:
         B, S = wanted.shape
         keep = dtype if dtype.itemsize == 2 else torch.float16
         if self.ids is None or self.ids.shape[0] != B:
-            self.k, self.v = (t.to(keep) for t in rebuild(wanted))
+            self.k, self.v = (t.to(keep).contiguous() for t in rebuild(wanted))
             self.ids, self.visible, self.rebuilt = wanted.clone().long(), torch.ones_like(wanted, dtype=torch.bool), S
         else:
             self.ids[self.ids >= self.coded] = -1  # window reads: coded since, or read again anyway
@@ -88,9 +97,9 @@ class TokenBuffer:
             ids, slots, self.visible = assign(self.ids, wanted, n)
             if ids.shape[1]:
                 k, v = rebuild(ids)
-                for b in range(B):  # index_copy_ moves whole [H, D] rows: ~4x faster than a scatter_ (CPU)
-                    self.k[b].index_copy_(1, slots[b], k[b].to(keep))
-                    self.v[b].index_copy_(1, slots[b], v[b].to(keep))
+                at = slots[:, None].expand(B, k.shape[1], -1)
+                put(self.k, at, k)
+                put(self.v, at, v)
             self.rebuilt = ids.shape[1]
         self.coded = n_coded
         return self.k, self.v
@@ -103,4 +112,4 @@ class TokenBuffer:
         return nbytes_of(self.ids, self.k, self.v, self.visible)
 
 
-__all__ = ["TokenBuffer", "assign"]
+__all__ = ["TokenBuffer", "assign", "put"]

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import LowRAMConfig
-from ..reuse import assign
+from ..reuse import assign, put
 from ..stores import nbytes_of
 from .quantised import Quantised, bytes_per_coord, head_group
 
@@ -141,16 +141,16 @@ class Selective:
             self.rebuilt = chunks.shape[-1] * c
             if not reuse:
                 return k, v
-            self.buffer = (chunks.clone(), k.to(torch.float16), v.to(torch.float16))
+            self.buffer = (chunks.clone(), k.to(torch.float16).contiguous(), v.to(torch.float16).contiguous())
             return self.buffer[1].float(), self.buffer[2].float()  # every step reads the buffer's FP16
         ids, bk, bv = self.buffer
         new, slots, _ = assign(ids, chunks, self.landmarks.shape[2])
         m = new.shape[-1]
         if m:
             kr, vr = rebuild(chunk_tokens(new, c))
-            rows = chunk_tokens(slots, c)[..., None].expand_as(kr)
-            bk.scatter_(2, rows, kr.to(torch.float16))
-            bv.scatter_(2, rows, vr.to(torch.float16))
+            at = chunk_tokens(slots, c)
+            put(bk, at, kr)
+            put(bv, at, vr)
         self.rebuilt = m * c
         return bk.float(), bv.float()
 
