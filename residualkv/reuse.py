@@ -74,7 +74,6 @@ class TokenBuffer:
         self.v: torch.Tensor | None = None
         self.visible: torch.Tensor | None = None  # [B, n] the slot holds a token of the last selection
         self.coded = 0  # ordinals below this were coded at the last read (the rest came from the window)
-        self.rebuilt = 0  # tokens per row the last read reconstructed
 
     def read(self, wanted: torch.Tensor, n_coded: int, n: int,
              rebuild: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -84,9 +83,9 @@ class TokenBuffer:
         attention in `dtype`. Slots holding tokens not wanted are left in place: `columns` masks them."""
         B, S = wanted.shape
         keep = dtype if dtype.itemsize == 2 else torch.float16
-        if self.ids is None or self.ids.shape[0] != B:
+        if self.ids is None:
             self.k, self.v = (t.to(keep).contiguous() for t in rebuild(wanted))
-            self.ids, self.visible, self.rebuilt = wanted.clone().long(), torch.ones_like(wanted, dtype=torch.bool), S
+            self.ids, self.visible = wanted.clone().long(), torch.ones_like(wanted, dtype=torch.bool)
         else:
             self.ids[self.ids >= self.coded] = -1  # window reads: coded since, or read again anyway
             if S > self.ids.shape[1]:  # a ratio budget grows with the history: empty slots at the end
@@ -100,7 +99,6 @@ class TokenBuffer:
                 at = slots[:, None].expand(B, k.shape[1], -1)
                 put(self.k, at, k)
                 put(self.v, at, v)
-            self.rebuilt = ids.shape[1]
         self.coded = n_coded
         return self.k, self.v
 
