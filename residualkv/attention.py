@@ -9,7 +9,8 @@ Decode step t under mode "omnikv" (prefill stays dense everywhere, as in OmniKV)
    (or ceil(select_ratio x history)) + the n_sink first + the n_recent newest, per row;
 2. the following sparse layers, up to the next filter layer, gather and reconstruct only I_t (selected
    references read as references; selected codes decoded with only the references they need) and
-   attend over them plus the current token:  o = softmax(q K_I^T / sqrt(D)) V_I;
+   attend over them plus the current token:  o = softmax(q K_I^T / sqrt(D)) V_I; with `select_reuse`
+   each keeps what it reconstructed and reconstructs only the tokens of I_t it lacks (residualkv/reuse.py);
 3. the new token is stored as usual (reference or code). Layers before the first filter layer read all.
 
 Mode "snapkv": during the prompt, each compressed layer's attention also computes SnapKV's votes (the
