@@ -14,7 +14,7 @@ from residualkv.codec import ResidualCodec
 from residualkv.config import ConfigError, ResidualKVConfig
 from residualkv.evaluation.cli import default_methods
 from residualkv.methods import build_cache
-from residualkv.reuse import assign
+from residualkv.reuse import assign, put
 from residualkv.schedule import ReferenceSchedule
 
 from .conftest import tiny_llama_config
@@ -368,6 +368,19 @@ def test_assign_keeps_chosen_ids_in_their_slots_and_fills_freed_ones(n, m, empty
         for s in range(n):
             if b[s].item() in w:
                 assert h[s] == b[s]  # a chosen id keeps its slot
+
+
+def test_put_writes_whole_rows_at_each_entrys_own_slots():
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(2, 3, 10, 4, generator=g).half()
+    at = torch.stack([torch.randperm(10, generator=g)[:5] for _ in range(6)]).view(2, 3, 5)
+    rows = torch.randn(2, 3, 5, 4, generator=g)
+    want = buf.clone()
+    for i in range(2):
+        for h in range(3):
+            want[i, h, at[i, h]] = rows[i, h].half()
+    put(buf, at, rows)
+    assert torch.equal(buf, want)
 
 
 @pytest.mark.parametrize("changes", [dict(select_budget=12, n_recent=6), dict(select_budget=12, n_recent=6, recent_window=8),
