@@ -92,7 +92,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("omnikv", "OmniKV dynamic selection on the FP16 full cache (no compression, KR = 100%)", False, _omnikv),
     _residual("residualkv", "ResidualKV + OmniKV (default deployment): trained codec, INT4 latents, sparse layers "
               "reconstruct only the tokens the filter layers select", bits=4, mode="omnikv"),
-    # reads what residualkv reads: a decode-speed variant, run only when named
+    # reads what residualkv reads (up to FP16 rounding under a float32 model): a decode-speed variant, run when named
     _residual("residualkv-reuse", "ResidualKV + OmniKV as residualkv, the sparse layers keeping their reconstructed "
               "tokens between steps (working memory beside the stored bytes, reported) and decoding only those a "
               "step's selection adds", in_default=False, bits=4, mode="omnikv", select_reuse=True),
