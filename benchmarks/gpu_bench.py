@@ -776,10 +776,11 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                                             for _ in range(model_cfg.num_hidden_layers)])
                     else:  # fresh synthetic state: every variant appends tokens to the stores it uses
                         layers_state, sched = synthetic_state(model_cfg, cfg, d_c, n, 64, B, dev, gen, quick)
-                        if variant == "residualkv-library" or variant.startswith("residualkv+omnikv"):
-                            mode_cfg = (cfg.replace(mode="omnikv", select_reuse=variant.endswith("reuse"))
-                                        if variant != "residualkv-library" else cfg)
-                            cache = library_cache(model, codec, mode_cfg, layers_state, n, B, dev)
+                        if variant == "residualkv-library":
+                            cache = library_cache(model, codec, cfg, layers_state, n, B, dev)
+                        elif variant.startswith("residualkv+omnikv"):
+                            omni_cfg = cfg.replace(mode="omnikv", select_reuse=variant.endswith("reuse"))
+                            cache = library_cache(model, codec, omni_cfg, layers_state, n, B, dev)
                         else:
                             shared = Shared(RopeTable.from_model(model), sched, n, n + 64, B, H, D, dev, dtype)
                             cache = kernel_cache(model, codec, cfg, layers_state, shared, n,
@@ -793,8 +794,7 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                         logs = [lay.decode_log[-1] for lay in cache.layers if getattr(lay, "decode_log", None)]
                         row["attended_tokens_per_layer_last_step"] = [lg[1] for lg in logs]
                         row["codes_decoded_per_layer_last_step"] = [lg[2] for lg in logs]
-                        row["working_bytes"] = sum(lay.buffer_bytes() for lay in cache.layers
-                                                   if hasattr(lay, "buffer_bytes"))
+                        row["working_bytes"] = sum(lay.buffer_bytes() for lay in cache.layers)
                 except torch.cuda.OutOfMemoryError as e:
                     row["status"] = f"OOM: {str(e).splitlines()[0][:160]}"
                 except Exception as e:  # keep measuring the other variants; record why this one failed

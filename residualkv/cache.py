@@ -96,7 +96,7 @@ class _GroupedLayer(CacheLayerMixin):
         super().__init__()
         self.n_slots = 0
         self.stores: list = []
-        self.buffers: list = []  # per row group: its TokenBuffer of sparse reads (ResidualLayer, select_reuse), or None
+        self.buffers: dict[int, TokenBuffer] = {}  # row group -> its buffer of sparse reads (ResidualLayer, select_reuse)
         # CR instrumentation, decode steps only (query length 1; prefill attends densely everywhere):
         # history tokens that took part in attention / history tokens, summed over rows and steps
         self.tokens_read = 0
@@ -131,16 +131,9 @@ class _GroupedLayer(CacheLayerMixin):
         compressed layers can (ResidualLayer)."""
         return False
 
-    def _buffer(self, gi: int):
-        while len(self.buffers) <= gi:
-            self.buffers.append(None)
-        if self.buffers[gi] is None:
-            self.buffers[gi] = TokenBuffer()
-        return self.buffers[gi]
-
     def buffer_bytes(self) -> int:
         """Working memory kept between decode steps (reuse buffers): not stored bytes, outside KR."""
-        return sum(b.nbytes() for b in self.buffers if b is not None)
+        return sum(b.nbytes() for b in self.buffers.values())
 
     def update(self, key_states, value_states, rows: RowLayout, *args, latent: bool = False, **kwargs):
         """Store the step's tokens, read the history: K, V [B, H, slots, D]; with `latent` and where
@@ -187,7 +180,7 @@ class _GroupedLayer(CacheLayerMixin):
             pos = torch.cat([pos_all.gather(1, hist), pos_all[:, first_new:s1]], dim=1)
             read += n_rows * hist.shape[1]
             if reuse and ords is not None:  # the buffer's columns come in its slot order
-                buf = self._buffer(gi)
+                buf = self.buffers.get(gi) or self.buffers.setdefault(gi, TokenBuffer())
                 ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, buffer=buf)
                 cols = buf.columns()
                 hist = torch.where(cols >= 0, grp.start + cols, -1)

@@ -430,7 +430,7 @@ def test_reuse_buffer_with_row_groups_and_fork(model, codec):
     assert torch.equal(fresh.sequences, kept.sequences)
     for x, y in zip(fresh.scores, kept.scores):
         torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)  # the buffer keeps FP16
-    assert [buf.ids.shape[0] for buf in kept_cache.layers[2].buffers] == [2, 1]
+    assert [buf.ids.shape[0] for buf in kept_cache.layers[2].buffers.values()] == [2, 1]
     ref = _cache(model, codec, **changes)
     with torch.no_grad():
         tok = model(a[:1], cache=ref, use_cache=True).logits[:, -1:].argmax(-1)
