@@ -8,7 +8,8 @@ is measured through each method's cache as well (`perplexity.py`).
 Per (method, context length) row:
   kr_measured, kr_formula, cr   mean over the task samples of `accounting.report(cache)` taken after that
                                 sample's prefill + generation (the ppl run's report when there are no samples)
-  working_vs_fp16               memory the method holds beside its stored bytes (LowRAM-SR's reuse buffer),
+  working_vs_fp16               memory the method holds beside its stored bytes (the reuse buffers of
+                                lowram-sr-reuse and residualkv-reuse),
                                 / FP16 cache bytes, averaged the same way; 0 for methods that keep none
   score                         mean over tasks of the task's mean sample score (fractions in [0, 1])
   rel_score                     sum of the method's task scores / sum of the full cache's task scores, over
