@@ -135,23 +135,29 @@ def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
 
 
 def _report_lowram(cache) -> dict[str, Any]:
-    """LowRAM's target is its ratio: keys and values each get 1/ratio of their FP16 bytes. The gap is the
+    """LowRAM's target is its ratio: keys and values each get 1/ratio of their FP16 bytes (of the prompt tokens
+    LowRAM-E's eviction kept: kept fraction / ratio of the whole prompt's). The gap is the eviction mask, the
     exact tail (tokens after the prompt, FP16 by design), the positions, and what the per-context solve
     could not meet: rank and residual counts rounded down, or predictors alone over budget (short prompts)."""
     comp = cache.nbytes()
     total, fp16 = sum(comp.values()), cache.fp16_bytes()
     kr = total / fp16 if fp16 else 0.0
-    target = 1 / cache.config.ratio
-    gap = {k: comp[k] / fp16 for k in ("exact_tail_fp16", "positions", "prompt_pending_fp16") if k in comp} if fp16 else {}
-    gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
     stores = [s for layer in cache.layers for s in layer.stores if s.mask is not None]
+    # LowRAM-E: the ratio applies to the prompt tokens eviction kept
+    seen = sum(s.shape[0] * (s.kept.n_seen if s.kept is not None else s.n_prompt) for s in stores)
+    kept = sum(s.shape[0] * s.n_prompt for s in stores) / seen if seen else 1.0
+    target = kept / cache.config.ratio
+    gap = {k: comp[k] / fp16 for k in ("exact_tail_fp16", "positions", "evict_kept_mask", "prompt_pending_fp16")
+           if k in comp} if fp16 else {}
+    gap["rank_and_residual_rounding"] = kr - target - sum(gap.values()) if fp16 else 0.0
     buffer = sum(layer.buffer_bytes() for layer in cache.layers)  # LowRAM-SR's reuse buffers, not in KR
     per_layer = _cr_per_layer(cache.layers)
     cfg, steps = cache.config, min((len(layer.decode_log) for layer in cache.layers), default=0)
     return {"kr_measured": kr, "kr_formula": target, "cr": sum(per_layer) / len(per_layer), "cr_per_layer": per_layer,
             "cr_scope": ("decode steps; the selected prompt chunks, the exact chunks and window, and the tail are "
                          "attended (prompts too short to select from are read whole)") if cfg.selective else
-                        "decode steps; every stored token is rebuilt and attended",
+                        "decode steps; every stored token is rebuilt and attended" + (
+                            " (the prompt's: those eviction kept)" if cfg.evict_keep is not None else ""),
             "decode_steps": steps,
             "history_tokens_per_step": _per_step(cache.layers, steps, 0),
             "tokens_attended_per_step": _per_step(cache.layers, steps, 1),
@@ -162,6 +168,7 @@ def _report_lowram(cache) -> dict[str, Any]:
                        "residual_fraction": sum(s.n_keep / s.n_prompt for s in stores) / len(stores) if stores else 0.0,
                        "key_bits": cache.config.key_bits, "residual_bits": cache.config.residual_bits,
                        "fit_steps": cache.config.fit_steps, "tokens": cache.rows.valid_tokens(),
+                       "evict_keep": cache.config.evict_keep, "prompt_kept": kept,
                        "layers": len(cache.layers)}}
 
 

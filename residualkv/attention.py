@@ -36,7 +36,9 @@ attention function, the cache only to `cache.update`; the hand-off between the t
   torch path) -> the values came back without the decoder's term and the function adds it after the
   softmax (a "sparse" hand-off can carry the same latents); "attend" (LowRAMCache with `selective`)
   -> the cache returned zero-length K/V and its callback computes the attention from the query,
-  choosing which prompt chunks to rebuild (residualkv/lowram/selective.py). With no hand-off it is exactly
+  choosing which prompt chunks to rebuild (residualkv/lowram/selective.py), or, LowRAM-E, reading the
+  prompt tokens eviction kept; "observe" (LowRAMCache with `evict_keep`, prefill) -> attends densely and
+  hands the query and keys back for SnapKV's votes (residualkv/lowram/evict.py). With no hand-off it is exactly
   transformers' SDPA, so installing it on a model changes nothing for other caches.
 """
 
@@ -66,7 +68,7 @@ ATTN_IMPLEMENTATION = "residualkv_sparse"
 class Handoff:
     controller: "SparseController | None"  # None for "kivi" and "latent"
     layer_idx: int
-    kind: str  # "score" | "sparse" | "snap" | "kivi" | "latent" | "attend"
+    kind: str  # "score" | "sparse" | "snap" | "kivi" | "latent" | "attend" | "observe"
     key: torch.Tensor  # the K tensor cache.update returned: the attention call must receive this object
     slots: torch.Tensor | None  # "sparse": [B, L] mask column of each returned K column, -1 = padding
     consumed: bool = False
@@ -78,6 +80,9 @@ class Handoff:
     # "attend": the cache computes the attention itself from the query (attend(query, scaling) -> [B, 1, Hq, D]);
     # LowRAM-SR, whose stores choose what to rebuild from the query
     attend: "Callable[[torch.Tensor, float | None], torch.Tensor] | None" = None
+    # "observe": the function attends densely, then hands (query, key, mask, scaling) to the cache; LowRAM-E's
+    # prefill, whose stores evict by SnapKV's votes
+    observe: "Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float], None] | None" = None
 
 
 _HANDOFF: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
@@ -440,10 +445,13 @@ def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs
     with torch.no_grad():
         if h.kind == "score":
             h.controller.choose(h, omnikv_token_scores(query, key))
-        elif h.kind == "snap":
+        else:
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-            votes = snapkv_token_scores(query, key, attention_mask, scaling, h.controller.cfg.snapkv_window)
-            h.controller.evict(h, votes, key.shape[1])
+            if h.kind == "observe":
+                h.observe(query, key, attention_mask, scaling)
+            else:  # "snap"
+                votes = snapkv_token_scores(query, key, attention_mask, scaling, h.controller.cfg.snapkv_window)
+                h.controller.evict(h, votes, key.shape[1])
     return out
 
 

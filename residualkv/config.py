@@ -178,6 +178,13 @@ class LowRAMConfig:
     # selection adds. Working memory beside the stored bytes (sr_budget tokens per layer, row and KV head),
     # reported by the accounting, not in KR; decode reads the same values either way (up to FP16 rounding)
     sr_reuse: bool = False
+    # LowRAM-E: before the prompt is factorised, keep only evict_keep of its tokens (None = keep all), chosen
+    # by SnapKV's votes (the last evict_window queries' attention, average-pooled over evict_pool tokens); an
+    # xKV group shares its key basis A row by row, so its layers and heads keep one token set: the best by the
+    # max over them. The ratio then applies to the kept tokens (overall about ratio / evict_keep)
+    evict_keep: float | None = None
+    evict_window: int = 32
+    evict_pool: int = 5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -203,6 +210,11 @@ class LowRAMConfig:
         _check(isinstance(self.sr_reuse, bool), "sr_reuse", self.sr_reuse, "use True or False")
         _check(not self.sr_reuse or self.selective, "sr_reuse", self.sr_reuse,
                "the reuse buffer belongs to selective reconstruction: set selective=True too, or drop sr_reuse")
+        _check(self.evict_keep is None or 0 < self.evict_keep <= 1, "evict_keep", self.evict_keep,
+               "keep a fraction of the prompt in (0, 1] (e.g. 0.5), or None for no eviction")
+        _check(self.evict_window >= 1, "evict_window", self.evict_window, "observe with 1 or more queries (SnapKV: 32)")
+        _check(self.evict_pool >= 1 and self.evict_pool % 2 == 1, "evict_pool", self.evict_pool,
+               "use an odd pooling width of 1 or more (SnapKV: 5)")
 
     def replace(self, **changes: Any) -> "LowRAMConfig":
         return _replace(self, changes)

@@ -124,6 +124,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _lowram("lowram-q-sr16-l4", "LowRAM-Q at 5x with selective reconstruction as lowram-sr16 and its landmarks in 4 "
             "bits (not in the seed): the key basis keeps rank 192 of 288 at 4K tokens instead of 96",
             ratio=5.0, key_bits=4, residual_bits=2, selective=True, sr_chunk=16, sr_outliers=12, sr_landmark_bits=4),
+    _lowram("lowram-e", "LowRAM-E at 5x: SnapKV keeps half the prompt (one token set per xKV group, by its layers' "
+            "and heads' votes), then LowRAM at 2.5x on the kept tokens", evict_keep=0.5, ratio=2.5),
+    _lowram("lowram-eq", "LowRAM-EQ at 10x: SnapKV keeps half the prompt as lowram-e, then LowRAM-Q at 5x on the kept "
+            "tokens (4-bit basis, 2-bit residuals)", evict_keep=0.5, ratio=5.0, key_bits=4, residual_bits=2),
     _lowram("lowram-warm", "LowRAM at 4x fitted in 150 Adam steps from the warm start of `rkv lowram-init` "
             "(the seed's pipeline: pooled pre-training, then the per-context fit)", learnt_starts=True, start="warm"),
     _lowram("lowram-meta", "LowRAM at 4x fitted in 2 Adam steps from the meta-learned start of `rkv lowram-init` "

@@ -1,9 +1,11 @@
 """LowRAM (seed 003): the key basis, the value predictor, and the cache that stores and reads them."""
 
+import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
 from residualkv import accounting
@@ -15,7 +17,7 @@ from residualkv.lowram.selective import chunk_tokens
 from residualkv.lowram.values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
 from residualkv.methods import build_cache
 from residualkv.quant import Packed, unpack_bits
-from residualkv.rope import apply_rope
+from residualkv.rope import apply_rope, invert_rope
 
 from .conftest import tiny_llama_config
 
@@ -533,3 +535,128 @@ def test_selective_decode_refuses_a_model_off_the_hand_off_attention():
     m.set_attn_implementation("sdpa")
     with torch.no_grad(), pytest.raises(RuntimeError, match="install"):
         m(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# LowRAM-E: SnapKV eviction before the factorisation
+
+
+EV = dict(ratio=2.0, layer_group=2, fit_steps=20, evict_keep=0.5, evict_window=16)
+
+
+def _snapkv_group_choice(model, ids, group, n_keep, window, pool):
+    """The tokens SnapKV's rule keeps for an xKV group, from the model's own attention weights (eager):
+    the last `window` queries' softmax averaged, avg-pooled, averaged over each KV head's query heads,
+    max over the group's layers and heads; the window always kept."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        att = eager(input_ids=ids, output_attentions=True).attentions
+    T = ids.shape[1]
+    per_layer = []
+    for i in group:
+        votes = att[i][0, :, -window:, :].mean(dim=1)  # [Hq, T]
+        votes = F.avg_pool1d(votes[:, None], pool, stride=1, padding=pool // 2, count_include_pad=False)[:, 0, :T]
+        per_layer.append(votes.view(model.config.num_key_value_heads, -1, T).mean(dim=1))
+    scores = torch.stack(per_layer).amax(dim=0).amax(dim=0)[: T - window]
+    top = scores.topk(n_keep - window).indices
+    return sorted(top.tolist()) + list(range(T - window, T))
+
+
+def test_eviction_keeps_snapkvs_choice_shared_by_each_xkv_group(model):
+    cfg = LowRAMConfig(**EV)
+    ids = _ids(600, seed=4)
+    cache, exact = LowRAMCache.from_model(model, cfg), DynamicCache(config=model.config)
+    _prefill(model, ids, cache)
+    _prefill(model, ids, exact)
+    pos = torch.arange(600)[None]
+    for group in cache.xkv_groups:  # groups of 2 over 5 layers
+        stores = [cache.layers[i].stores[0] for i in group]
+        assert all(s.kept is stores[0].kept for s in stores) and all(s.votes is None for s in stores)
+        kept = stores[0].kept.ordinals()[0]
+        assert kept.tolist() == _snapkv_group_choice(model, ids, group, 300, 16, 5)
+        for i, s in zip(group, stores):
+            assert s.n_prompt == 300 and s.shape == (1, 2, 300, 16)
+            # keys read back at the kept tokens' own positions: RoPE is a rotation, so the error after it equals
+            # the low-rank error before it only if each kept token is rotated by its own position
+            cos, sin = cache.layers[i].rope.cos_sin(s.prompt_positions(pos), torch.float32)
+            k, _ = s.read(cos, sin)
+            k_exact = exact.layers[i].keys.float()[:, :, kept]
+            pre_exact = invert_rope(k_exact, cos, sin)
+            assert (k - k_exact).norm() == pytest.approx(float((s.prompt_keys() - pre_exact).norm()), rel=1e-4)
+            assert (k - k_exact).norm() < 0.5 * k_exact.norm()
+
+
+def test_eviction_bytes_kr_and_cr_count_what_is_kept_and_read(model):
+    cache = LowRAMCache.from_model(model, LowRAMConfig(**EV))
+    with torch.no_grad():
+        model.generate(_ids(600, seed=4), max_new_tokens=4, do_sample=False, cache=cache)
+    rep = accounting.report(cache)
+    # one bit per prompt token, per row and xKV group (3 groups), not per layer
+    assert rep["bytes"]["evict_kept_mask"] == 3 * 600 // 8
+    assert rep["kr_formula"] == pytest.approx(0.5 / 2.0) and rep["inputs"]["prompt_kept"] == 0.5
+    assert rep["kr_measured"] == pytest.approx(rep["kr_formula"] + sum(rep["gap"].values()))
+    assert abs(rep["gap"]["rank_and_residual_rounding"]) < 0.01, rep["gap"]
+    # 3 decode steps, each layer attends to the 300 kept prompt tokens and the tail
+    assert rep["tokens_attended_per_step"] == [5 * (300 + t) for t in range(3)]
+    assert rep["history_tokens_per_step"] == [5 * (600 + t) for t in range(3)]
+    assert rep["cr"] == pytest.approx(sum(300 + t for t in range(3)) / sum(600 + t for t in range(3)))
+
+
+def test_keeping_every_token_decodes_as_plain_lowram(model):
+    """evict_keep=1 decodes through the attention function's own read (`attend`) and must equal the plain path."""
+    ids = _ids(500, seed=5)
+    outs = {}
+    for keep in (None, 1.0):
+        cache = LowRAMCache.from_model(model, LowRAMConfig(**{**EV, "evict_keep": keep}))
+        with torch.no_grad():
+            outs[keep] = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache, output_logits=True,
+                                        return_dict_in_generate=True)
+    assert outs[None].sequences.tolist() == outs[1.0].sequences.tolist()
+    for a, b in zip(outs[None].logits, outs[1.0].logits):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_eviction_left_padded_batch_equals_single_runs(model):
+    a, b = _ids(400, seed=1), _ids(250, seed=2)
+    cfg = LowRAMConfig(**EV)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 150, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 400), torch.cat([torch.zeros(1, 150), torch.ones(1, 250)], 1)]).long()
+
+    def gen(ids, m, cache):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=m, max_new_tokens=10, do_sample=False, cache=cache)
+
+    cache = LowRAMCache.from_model(model, cfg)
+    both = gen(batch, mask, cache)
+    assert [s.n_prompt for s in cache.layers[0].stores] == [200, 125]
+    one = gen(a, torch.ones_like(a), LowRAMCache.from_model(model, cfg))
+    two = gen(b, torch.ones_like(b), LowRAMCache.from_model(model, cfg))
+    assert both[0, 400:].tolist() == one[0, 400:].tolist()
+    assert both[1, 400:].tolist() == two[0, 250:].tolist()
+
+
+def test_eviction_with_selective_reconstruction_selects_among_kept_tokens(model):
+    cfg = LowRAMConfig(**{**EV, **SR, "evict_keep": 0.5})
+    cache = LowRAMCache.from_model(model, cfg)
+    with torch.no_grad():
+        model.generate(_ids(1400, seed=3), max_new_tokens=3, do_sample=False, cache=cache)
+    rep = accounting.report(cache)
+    assert rep["selective"]["engaged_stores"] == 5 and rep["inputs"]["prompt_kept"] == 0.5
+    # 6 exact chunks + 16 chosen + the 20-token window of the 700 kept tokens, and the tail
+    assert rep["tokens_attended_per_step"] == [5 * (48 + 128 + 20 + t) for t in range(2)]
+    assert rep["history_tokens_per_step"] == [5 * (1400 + t) for t in range(2)]
+
+
+def test_eviction_refuses_what_it_cannot_serve(model):
+    for bad in (dict(evict_keep=0.0), dict(evict_keep=1.5), dict(evict_pool=4), dict(evict_window=0)):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            LowRAMConfig(**bad)
+    cache = LowRAMCache.from_model(model, LowRAMConfig(**EV))
+    ids = _ids(300)
+    _prefill(model, ids, cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="one token per row"):
+        model(input_ids=ids[:, :2], cache=cache, use_cache=True)
+    e, eq = build_cache("lowram-e", model), build_cache("lowram-eq", model)
+    assert (e.config.evict_keep, e.config.ratio, e.config.key_bits) == (0.5, 2.5, None)
+    assert (eq.config.evict_keep, eq.config.ratio, eq.config.key_bits, eq.config.residual_bits) == (0.5, 5.0, 4, 2)

@@ -9,7 +9,9 @@ keys as the cache will read them back, A B, and keeps the residuals of the token
 rotated) and values (f(A B) + residuals) and attends over all of them (CR = 100%); tokens written after
 the prompt are kept exact in FP16, as the seed does. With `selective` (LowRAM-SR, selective.py) a decode
 step rebuilds only the prompt chunks its query selects; the attention function then reads them
-through a hand-off (residualkv.attention), as the query is not visible to `Cache.update`.
+through a hand-off (residualkv.attention), as the query is not visible to `Cache.update`. With
+`evict_keep` (LowRAM-E, evict.py) each xKV group first keeps only SnapKV's survivors of the prompt, from
+the votes its layers' prefill attention hands over, and decode reads the survivors through `attend`.
 
 Every stored tensor is what is counted: A in FP16 or packed `key_bits`, B and the predictors in FP16,
 the residuals in FP16 or packed `residual_bits`, and which tokens have one as a bit mask.
@@ -29,6 +31,7 @@ from ..growing import Growing, grown
 from ..quant import pack_bits, unpack_bits
 from ..rope import RopeTable, apply_rope, invert_rope
 from ..stores import flat_heads, nbytes_of, sum_bytes
+from .evict import Kept, evict, record_votes
 from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
 from .quantised import Quantised, bytes_per_coord, head_group
 from .selective import Selective, chunks_selected, extra_bytes, tokens_chosen
@@ -56,6 +59,8 @@ class LowRAMStore:
         self.n_keep = 0  # residuals per (row, head)
         self.selective: Selective | None = None  # LowRAM-SR's landmarks and exact tokens, where it engages
         self.k_post: torch.Tensor | None = None  # exact post-RoPE prompt keys until compressed (LowRAM-SR)
+        self.votes: torch.Tensor | None = None  # LowRAM-E: SnapKV scores [R, H, T] until the xKV group evicts
+        self.kept: Kept | None = None  # LowRAM-E: which prompt tokens survived (shared by the xKV group)
         self._k_tail, self._v_tail = Growing(dim=2), Growing(dim=2)
 
     def hold(self, k_pre: torch.Tensor, v: torch.Tensor, k_post: torch.Tensor | None = None) -> None:
@@ -68,6 +73,12 @@ class LowRAMStore:
         self._k_tail.append(k.detach().to(torch.float16))
         self._v_tail.append(v.detach().to(torch.float16))
         self.n += k.shape[2]
+
+    def prompt_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """The stored prompt tokens' RoPE positions [R, T] from the rows' positions [R, >= prompt seen]."""
+        if self.kept is None:
+            return pos[:, :self.n_prompt]
+        return pos.gather(1, self.kept.ordinals().to(pos.device))
 
     def prompt_keys(self) -> torch.Tensor:
         """The prompt's pre-RoPE keys as stored, A B: [R, H, T, D] float32."""
@@ -201,6 +212,8 @@ def compress_group(stores: list[LowRAMStore], starts: list[Predictor | tuple[tor
     """Turn the held prompts of one xKV group's layers (one row group) into factors, predictors and
     residuals; returns the key rank. `starts` holds, per layer, a saved start [H, ...] or Slim's
     (w_lin, b2), from which W1 is drawn here."""
+    if cfg.evict_keep is not None:
+        evict(stores, cfg)
     R, H, T, D = stores[0].shape
     key_extra, value_extra = selective_bytes(T, H, D, len(stores), cfg)
     basis, factors, rank = factorise_keys([s.pending[0] for s in stores], cfg, generator,
@@ -251,15 +264,22 @@ class LowRAMLayer(_GroupedLayer):
             return k, v
         if store.pending is not None:
             raise RuntimeError("a LowRAM layer was written twice before its xKV group compressed the prompt")
+        if store.kept is not None:
+            raise ValueError("LowRAM-E evicted prompt tokens, so the model's mask no longer matches the stored ones: "
+                             "after the prompt, feed one token per row without gradients (as generate() decodes), "
+                             "or build the cache with evict_keep=None")
         T = store.n_prompt
         hk, hv = store.read(cos[:, :T], sin[:, :T])
         store.append(k, v)
         return torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
 
-    def reads_selectively(self, key_states: torch.Tensor) -> bool:
-        """Whether this update is a LowRAM-SR decode step: one new token per row after the compressed
-        prompt, no gradients (the attention function then reads the stores itself, `attend`)."""
-        return (self.config.selective and key_states.shape[2] == 1 and not torch.is_grad_enabled()
+    def reads_itself(self, key_states: torch.Tensor) -> bool:
+        """Whether this update is a LowRAM-SR or LowRAM-E decode step: one new token per row after the
+        compressed prompt, no gradients; the attention function then reads the stores itself (`attend`):
+        the chunks LowRAM-SR rebuilds depend on the query, and LowRAM-E holds fewer tokens than the model's
+        mask has columns."""
+        reads_itself = self.config.selective or self.config.evict_keep is not None
+        return (reads_itself and key_states.shape[2] == 1 and not torch.is_grad_enabled()
                 and bool(self.stores) and all(s.n_prompt and s.pending is None for s in self.stores))
 
     def write(self, key_states, value_states, rows: RowLayout) -> None:
@@ -290,12 +310,13 @@ class LowRAMLayer(_GroupedLayer):
             q = query[r]
             pos = rows.positions[r, grp.start:]
             R, _, T, _ = store.shape
+            prompt_pos = store.prompt_positions(pos)
             if store.selective is not None:
-                k, v = store.read_selected(q, pos[:, :T], self.rope, chunks_selected(self.config), scaling,
+                k, v = store.read_selected(q, prompt_pos, self.rope, chunks_selected(self.config), scaling,
                                            reuse=self.config.sr_reuse)
                 rebuilt += R * store.selective.rebuilt
             else:
-                cos, sin = self.rope.cos_sin(pos[:, :T], torch.float32)
+                cos, sin = self.rope.cos_sin(prompt_pos, torch.float32)
                 k, v = store.read(cos, sin)
                 rebuilt += R * T
             out[r] = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling, enable_gqa=True)
@@ -345,7 +366,7 @@ class LowRAMCache(Cache):
             if starts[0].w1.shape[-1] != hidden:
                 raise ConfigError(f"invalid hidden_factor={config.hidden_factor}: the starts in "
                                   f"{saved.meta['path']} have hidden width {starts[0].w1.shape[-1]}, not {hidden}")
-        if config.selective:
+        if config.selective or config.evict_keep is not None:
             attention.install(model)
         return cls(config, num_layers=n_layers, num_kv_heads=n_kv, head_dim=head_dim,
                    rope=RopeTable.from_model(model), starts=starts)
@@ -354,8 +375,8 @@ class LowRAMCache(Cache):
         layer = self.layers[layer_idx]
         if layer.n_slots == self.rows.n_slots:  # the first layer to see this call's tokens
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
-        attention.check_handed_off(self, "LowRAM-SR's selected chunks were not attended")
-        if layer.reads_selectively(key_states):
+        attention.check_handed_off(self, "LowRAM-SR's or LowRAM-E's step did not run as built")
+        if layer.reads_itself(key_states):
             layer.write(key_states, value_states, self.rows)
             B, H, _, D = key_states.shape
             # zero-length stand-ins: the attention function recognises the K object and calls layer.attend
@@ -366,13 +387,26 @@ class LowRAMCache(Cache):
             return k, v
         out = layer.update(key_states, value_states, self.rows)
         group = next(g for g in self.xkv_groups if layer_idx in g)
-        if layer_idx == group[-1] and any(s.pending is not None for s in layer.stores):
-            for gi in range(len(layer.stores)):
-                # the same draws for every row group: a row compresses as it would alone
-                stores = [self.layers[j].stores[gi] for j in group]
-                self.key_ranks.append(compress_group(stores, [self.starts[j] for j in group], self.config,
-                                                     group_generator(self.config, group[0])))
+        if not any(s.pending is not None for s in layer.stores):
+            return out
+        if self.config.evict_keep is not None:  # LowRAM-E: compress once the group's last layer has voted
+            rows = self.rows
+
+            def observe(query, key, attention_mask, scaling):
+                record_votes(layer.stores, rows.groups, query, key, attention_mask, scaling, self.config)
+                if layer_idx == group[-1]:
+                    self._compress(group)
+            attention.hand_off(self, attention.Handoff(None, layer_idx, "observe", out[0], None, observe=observe))
+        elif layer_idx == group[-1]:
+            self._compress(group)
         return out
+
+    def _compress(self, group: list[int]) -> None:
+        for gi in range(len(self.layers[group[0]].stores)):
+            # the same draws for every row group: a row compresses as it would alone
+            stores = [self.layers[j].stores[gi] for j in group]
+            self.key_ranks.append(compress_group(stores, [self.starts[j] for j in group], self.config,
+                                                 group_generator(self.config, group[0])))
 
     def reset(self) -> None:
         super().reset()
@@ -385,6 +419,9 @@ class LowRAMCache(Cache):
         out = sum_bytes(layer.nbytes() for layer in self.layers)
         bases = {id(s.basis): s.basis for layer in self.layers for s in layer.stores if s.basis is not None}
         out["key_basis"] = sum(b.nbytes() for b in bases.values())
+        kept = {id(s.kept): s.kept for layer in self.layers for s in layer.stores if s.kept is not None}
+        if kept:
+            out["evict_kept_mask"] = sum(k.nbytes() for k in kept.values())
         out["positions"] = self.rows.nbytes()
         return out
 
