@@ -16,6 +16,8 @@ decoded + references read, summed over the compressed layers) come from the cach
                                                        #   the softmax, to time LatentValues side by side
     python benchmarks/decode_speed.py --lowram         # + LowRAM (4x) and LowRAM-SR (4x, selective reconstruction)
                                                        #   fitted to the same prefill, beside them
+                                                       #   (--lowram-methods: any lowram-*; LowRAM-E's prefill runs
+                                                       #   through the model, its eviction needs the queries)
     python benchmarks/decode_speed.py --reuse          # + ResidualKV + OmniKV with select_reuse (the sparse layers
                                                        #   keep their reconstructed tokens between steps)
 
@@ -103,7 +105,14 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     if args.lowram:  # the prompt handed over in one call, as LowRAM's prefill sees it; the fit happens here
         for name in args.lowram_methods.split(","):
             caches[name] = build_cache(name, model)
-            lowram_fill_s[name] = fill_from(full, caches[name], ctx, chunk=ctx)
+            if caches[name].config.evict_keep is None:
+                lowram_fill_s[name] = fill_from(full, caches[name], ctx, chunk=ctx)
+                continue
+            # LowRAM-E votes with the prefill's queries, which a hand-over of keys and values lacks: a real prefill
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=ids, cache=caches[name], use_cache=True)
+            lowram_fill_s[name] = time.perf_counter() - t0
     if args.values_first:  # the same deployments with the values decoded before the softmax (no LatentValues)
         for name in METHODS[1:]:
             caches[name + VALUES_FIRST] = caches[name].fork()
@@ -185,7 +194,8 @@ def plot(results: list[dict], path: Path, note: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in results]
     names = [*METHODS, REUSE, *(n for n in results[0]["methods"] if n.startswith("lowram"))]
-    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink")
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+              "tab:olive", "tab:cyan")
     for name, color in zip(names, colors):
         if name not in results[0]["methods"]:
             continue
