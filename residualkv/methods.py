@@ -25,6 +25,7 @@ class Method:
     needs_codec: bool
     build: Callable[..., Any]  # (model, codec, base_config[, changes]) -> Cache
     learnt_starts: bool = False  # reads `rkv lowram-init`'s saved starts: run only when named
+    evicts: bool = False  # a LowRAM method that evicts part of the prompt (LowRAM-E): its keep fraction can vary
     in_default: bool = True  # False: a bare `rkv eval` leaves it out (run only when named)
     # where build_cache's field changes go: "base" (the backbone's ResidualKVConfig, passed as base),
     # "codec" (also handed to build, which applies them over the codec's own config), "lowram" (LowRAMConfig)
@@ -76,7 +77,7 @@ def _lowram(name: str, description: str, *, learnt_starts: bool = False, in_defa
     def build(model, codec, base, changes=None):
         return LowRAMCache.from_model(model, LowRAMConfig(**fields).replace(**(changes or {})))
     return Method(name, description, False, build, learnt_starts=learnt_starts, in_default=in_default,
-                  changes="lowram")
+                  evicts=fields.get("evict_keep") is not None, changes="lowram")
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [

@@ -683,3 +683,8 @@ def test_eviction_refuses_what_it_cannot_serve(model):
     e, eq = build_cache("lowram-e", model), build_cache("lowram-eq", model)
     assert (e.config.evict_keep, e.config.ratio, e.config.key_bits) == (0.5, 2.5, None)
     assert (eq.config.evict_keep, eq.config.ratio, eq.config.key_bits, eq.config.residual_bits) == (0.5, 5.0, 4, 2)
+    from residualkv.evaluation.harness import build_method_cache, known_method
+
+    k = build_method_cache("lowram-eq-k25-f7", model)  # -kNN: keep NN% of the prompt, on evicting methods only
+    assert (k.config.evict_keep, k.config.fit_steps, k.config.ratio, k.config.key_bits) == (0.25, 7, 5.0, 4)
+    assert known_method("lowram-e-k10") and not known_method("lowram-k50") and not known_method("lowram-e-k0")

@@ -55,9 +55,9 @@ from .stats import mean_difference, rel_score_interval
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix, as VARIANTS_HELP tells the CLIs' users: -rNN (select_ratio), then on
 # ResidualKV methods only -wNN, -gNN, -sNN (the _CODEC_SUFFIXES' config fields), in this order; on LowRAM
-# methods -fNN (fit_steps)
+# methods -kNN (evict_keep, where the method evicts) then -fNN (fit_steps)
 _VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?"
-                      r"(?:-s(?P<stride>\d+))?(?:-f(?P<fit>\d+))?$")
+                      r"(?:-s(?P<stride>\d+))?(?:-k(?P<keep>\d+))?(?:-f(?P<fit>\d+))?$")
 _CODEC_SUFFIXES = {"window": "recent_window", "group": "group_size", "stride": "stride"}
 # what the CLIs print about the names above (argparse help: escape the % signs)
 VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN select NN% of the history per "
@@ -65,7 +65,8 @@ VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN
                  "residualkv method, then, -wNN holds the newest NN tokens of its compressed layers in FP16, -gNN "
                  "quantises its latents in groups of NN, -sNN places a reference every NN tokens "
                  "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10); on a lowram "
-                 "method -fNN fits each context in NN Adam steps (lowram-warm-f25)")
+                 "method -fNN fits each context in NN Adam steps (lowram-warm-f25), and on an evicting one (lowram-e, "
+                 "lowram-eq) -kNN keeps NN%% of the prompt (lowram-eq-k25)")
 _RATIO_BASES = ("residualkv", "residualkv-reuse", "omnikv", "residualkv-snapkv")
 
 
@@ -79,13 +80,19 @@ def _snapkv_ratio(name: str) -> float | None:
 def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
     """A suffixed variant -> (registered method, config changes); None when `name` is not one."""
     m = _VARIANT.match(name)
-    if not m or all(m[g] is None for g in ("ratio", "fit", *_CODEC_SUFFIXES)):
+    if not m or all(m[g] is None for g in ("ratio", "keep", "fit", *_CODEC_SUFFIXES)):
         return None
     base, changes = m["base"], {}
-    if m["fit"] is not None:
+    if m["fit"] is not None or m["keep"] is not None:
         if not base.startswith("lowram") or base not in _methods() or any(m[g] for g in ("ratio", *_CODEC_SUFFIXES)):
             return None
-        return base, {"fit_steps": int(m["fit"])}
+        if m["keep"] is not None:
+            if not _methods()[base].evicts or not 0 < int(m["keep"]) <= 100:
+                return None
+            changes["evict_keep"] = int(m["keep"]) / 100
+        if m["fit"] is not None:
+            changes["fit_steps"] = int(m["fit"])
+        return base, changes
     if m["ratio"] is not None:
         if base not in _RATIO_BASES or not 0 < int(m["ratio"]) <= 100:
             return None
