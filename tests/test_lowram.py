@@ -207,21 +207,30 @@ def test_bytes_are_the_stored_tensors_and_kr_meets_the_ratio(model):
         assert rep["cr"] == 1.0 and rep["decode_steps"] == 2 and rep["inputs"]["residual_fraction"] > 0
 
 
-def test_left_padded_batch_equals_single_runs(model):
-    a, b = _ids(300, seed=1), _ids(220, seed=2)
-    cfg = LowRAMConfig(ratio=2.0, layer_group=2, fit_steps=20)
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 80, dtype=torch.long), b], 1)])
-    mask = torch.cat([torch.ones(1, 300), torch.cat([torch.zeros(1, 80), torch.ones(1, 220)], 1)]).long()
+def _padded_batch_equals_single_runs(model, cfg: LowRAMConfig, n_long: int, n_short: int,
+                                     new_tokens: int = 10) -> LowRAMCache:
+    """Generate for a long and a left-padded short row in one batch and for each alone: the same tokens.
+    Returns the batch's cache."""
+    a, b = _ids(n_long, seed=1), _ids(n_short, seed=2)
+    pad = n_long - n_short
+    batch = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, n_long), torch.cat([torch.zeros(1, pad), torch.ones(1, n_short)], 1)]).long()
 
     def gen(ids, m, cache):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=m, max_new_tokens=12, do_sample=False, cache=cache)
+            return model.generate(ids, attention_mask=m, max_new_tokens=new_tokens, do_sample=False, cache=cache)
 
-    both = gen(batch, mask, LowRAMCache.from_model(model, cfg))
+    cache = LowRAMCache.from_model(model, cfg)
+    both = gen(batch, mask, cache)
     one = gen(a, torch.ones_like(a), LowRAMCache.from_model(model, cfg))
     two = gen(b, torch.ones_like(b), LowRAMCache.from_model(model, cfg))
-    assert both[0, 300:].tolist() == one[0, 300:].tolist()
-    assert both[1, 300:].tolist() == two[0, 220:].tolist()
+    assert both[0, n_long:].tolist() == one[0, n_long:].tolist()
+    assert both[1, n_long:].tolist() == two[0, n_short:].tolist()
+    return cache
+
+
+def test_left_padded_batch_equals_single_runs(model):
+    _padded_batch_equals_single_runs(model, LowRAMConfig(ratio=2.0, layer_group=2, fit_steps=20), 300, 220, 12)
 
 
 def test_registered_methods_build_lowram_caches(model):
@@ -380,22 +389,8 @@ def test_selective_bytes_fit_the_ratio_and_cr_counts_what_attention_read(model, 
 
 def test_selective_left_padded_batch_equals_single_runs(model):
     """Row groups select on their own: a long row reads selectively, a short one whole."""
-    a, b = _ids(700, seed=1), _ids(200, seed=2)
-    cfg = LowRAMConfig(ratio=2.0, **SR)
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 500, dtype=torch.long), b], 1)])
-    mask = torch.cat([torch.ones(1, 700), torch.cat([torch.zeros(1, 500), torch.ones(1, 200)], 1)]).long()
-
-    def gen(ids, m, cache):
-        with torch.no_grad():
-            return model.generate(ids, attention_mask=m, max_new_tokens=10, do_sample=False, cache=cache)
-
-    cache = LowRAMCache.from_model(model, cfg)
-    both = gen(batch, mask, cache)
+    cache = _padded_batch_equals_single_runs(model, LowRAMConfig(ratio=2.0, **SR), 700, 200)
     assert [s.selective is not None for s in cache.layers[0].stores] == [True, False]
-    one = gen(a, torch.ones_like(a), LowRAMCache.from_model(model, cfg))
-    two = gen(b, torch.ones_like(b), LowRAMCache.from_model(model, cfg))
-    assert both[0, 700:].tolist() == one[0, 700:].tolist()
-    assert both[1, 700:].tolist() == two[0, 200:].tolist()
 
 
 def test_selective_engages_only_where_it_skips_something_and_its_bytes_fit(model):
@@ -622,22 +617,9 @@ def test_keeping_every_token_decodes_as_plain_lowram(model):
 
 
 def test_eviction_left_padded_batch_equals_single_runs(model):
-    a, b = _ids(400, seed=1), _ids(250, seed=2)
-    cfg = LowRAMConfig(**EV)
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 150, dtype=torch.long), b], 1)])
-    mask = torch.cat([torch.ones(1, 400), torch.cat([torch.zeros(1, 150), torch.ones(1, 250)], 1)]).long()
-
-    def gen(ids, m, cache):
-        with torch.no_grad():
-            return model.generate(ids, attention_mask=m, max_new_tokens=10, do_sample=False, cache=cache)
-
-    cache = LowRAMCache.from_model(model, cfg)
-    both = gen(batch, mask, cache)
+    """Each row group votes and keeps its own tokens: a padded row evicts as it would alone."""
+    cache = _padded_batch_equals_single_runs(model, LowRAMConfig(**EV), 400, 250)
     assert [s.n_prompt for s in cache.layers[0].stores] == [200, 125]
-    one = gen(a, torch.ones_like(a), LowRAMCache.from_model(model, cfg))
-    two = gen(b, torch.ones_like(b), LowRAMCache.from_model(model, cfg))
-    assert both[0, 400:].tolist() == one[0, 400:].tolist()
-    assert both[1, 400:].tolist() == two[0, 250:].tolist()
 
 
 def test_eviction_with_selective_reconstruction_selects_among_kept_tokens(model):
