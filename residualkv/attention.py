@@ -442,16 +442,15 @@ def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs
     if h.kind == "sparse":
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     with torch.no_grad():
         if h.kind == "score":
             h.controller.choose(h, omnikv_token_scores(query, key))
-        else:
-            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-            if h.kind == "observe":
-                h.observe(query, key, attention_mask, scaling)
-            else:  # "snap"
-                votes = snapkv_token_scores(query, key, attention_mask, scaling, h.controller.cfg.snapkv_window)
-                h.controller.evict(h, votes, key.shape[1])
+        elif h.kind == "observe":
+            h.observe(query, key, attention_mask, scaling)
+        elif h.kind == "snap":
+            votes = snapkv_token_scores(query, key, attention_mask, scaling, h.controller.cfg.snapkv_window)
+            h.controller.evict(h, votes, key.shape[1])
     return out
 
 
