@@ -83,13 +83,19 @@ def local_prefect_server(port: int | None = None, home: Path | None = None, log_
         wait_healthy(api_url, process=proc)
         yield api_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         log.close()
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """Ask a server started in its own session to stop; after `grace` seconds kill its whole process group
+    (a server's workers must not outlive it)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
 
 
 def build_deployment(profile: str):

@@ -47,18 +47,15 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
 
 @contextmanager
 def server(cmd: list[str], health: str, log: Path, env: dict[str, str]):
+    from flows.deploy import stop_server
+
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             wait_http(health, proc)
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+            stop_server(proc)
 
 
 def _listening_on_loopback_only(port: int) -> bool:
