@@ -278,6 +278,8 @@ def explain(rep: dict[str, Any]) -> str:
         lines.append(f"  {k:32s} {v:+.3%}")
     if rep.get("gap"):
         lines.append(f"  {'unexplained':32s} {rep['unexplained']:+.3%}")
+    if rep.get("inputs", {}).get("evict_keep") is not None:
+        lines.append(f"  prompt tokens kept by eviction (LowRAM-E; the ratio applies to them): {rep['inputs']['prompt_kept']:.1%}")
     if rep.get("working_vs_fp16"):
         lines.append(f"  plus working memory (reuse buffers, not in KR): {rep['working_vs_fp16']:.2%} of the FP16 cache")
     return "\n".join(lines)

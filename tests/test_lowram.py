@@ -594,6 +594,7 @@ def test_eviction_bytes_kr_and_cr_count_what_is_kept_and_read(model):
     # one bit per prompt token, per row and xKV group (3 groups), not per layer
     assert rep["bytes"]["evict_kept_mask"] == 3 * 600 // 8
     assert rep["kr_formula"] == pytest.approx(0.5 / 2.0) and rep["inputs"]["prompt_kept"] == 0.5
+    assert "kept by eviction (LowRAM-E; the ratio applies to them): 50.0%" in accounting.explain(rep)
     assert rep["kr_measured"] == pytest.approx(rep["kr_formula"] + sum(rep["gap"].values()))
     assert abs(rep["gap"]["rank_and_residual_rounding"]) < 0.01, rep["gap"]
     # 3 decode steps, each layer attends to the 300 kept prompt tokens and the tail
