@@ -278,8 +278,8 @@ class LowRAMLayer(_GroupedLayer):
         compressed prompt, no gradients; the attention function then reads the stores itself (`attend`):
         the chunks LowRAM-SR rebuilds depend on the query, and LowRAM-E holds fewer tokens than the model's
         mask has columns."""
-        reads_itself = self.config.selective or self.config.evict_keep is not None
-        return (reads_itself and key_states.shape[2] == 1 and not torch.is_grad_enabled()
+        own_read = self.config.selective or self.config.evict_keep is not None
+        return (own_read and key_states.shape[2] == 1 and not torch.is_grad_enabled()
                 and bool(self.stores) and all(s.n_prompt and s.pending is None for s in self.stores))
 
     def write(self, key_states, value_states, rows: RowLayout) -> None:

@@ -68,11 +68,14 @@ def evict(stores: list, cfg: LowRAMConfig) -> Kept:
     bits = torch.zeros(R, (T + 7) // 8 * 8, dtype=torch.uint8, device=keep.device)
     bits.scatter_(1, keep, 1)
     kept = Kept(pack_bits(bits, 1), T)
-    idx = keep[:, None, :, None].expand(R, H, n, D).to(stores[0].pending[0].device)
+    at = keep[:, None, :, None]
+
+    def take(t: torch.Tensor) -> torch.Tensor:  # [R, H, T, X] -> the kept tokens [R, H, n, X]
+        return t.gather(2, at.to(t.device).expand(R, H, n, t.shape[-1]))
+
     for s in stores:
-        k_pre, v = s.pending
-        s.pending = (k_pre.gather(2, idx), v.gather(2, idx.expand(R, H, n, v.shape[-1])))
+        s.pending = tuple(take(t) for t in s.pending)
         if s.k_post is not None:
-            s.k_post = s.k_post.gather(2, idx.to(s.k_post.device))
+            s.k_post = take(s.k_post)
         s.shape, s.n, s.n_prompt, s.kept, s.votes = (R, H, n, D), n, n, kept, None
     return kept
