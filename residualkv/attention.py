@@ -84,6 +84,11 @@ class Handoff:
     # prefill, whose stores evict by SnapKV's votes
     observe: "Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float], None] | None" = None
 
+    def release(self) -> None:
+        """Let go of the tensors once the attention has run: the owner keeps its last hand-off until its
+        next layer checks it, which after a step's last layer is the next step (residualkv.memory)."""
+        self.key = self.slots = self.layer = self.rows = self.latent = self.attend = self.observe = None
+
 
 _HANDOFF: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar("residualkv_handoff", default=None)
 
@@ -430,6 +435,13 @@ def sparse_attention_forward(module, query, key, value, attention_mask, **kwargs
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     h.consumed = True
     _HANDOFF.set(None)
+    try:
+        return _attend_handed(module, query, key, value, attention_mask, h, kwargs)
+    finally:
+        h.release()
+
+
+def _attend_handed(module, query, key, value, attention_mask, h: Handoff, kwargs: dict):
     if h.kind == "kivi":
         return _kivi_attention(module, query, h, kwargs), None
     if h.kind == "attend":

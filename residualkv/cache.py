@@ -82,6 +82,10 @@ class RowLayout:
     def spare_bytes(self) -> int:
         return self._positions.spare_bytes()
 
+    def bookkeeping_bytes(self) -> int:
+        """Row indices of each group and the schedule's ordinals (accounting's `bookkeeping_bytes`)."""
+        return sum(nbytes_of(g.rows) for g in self.groups) + (self.schedule.nbytes() if self.schedule else 0)
+
 
 # ---------------------------------------------------------------------------------------------
 # Cache layers: slot space (what attention sees) <-> per-group ordinal space (what is stored).
@@ -391,6 +395,7 @@ class ResidualKVCache(Cache):
                 raise ValueError("compressed layers need the model's RoPE: pass rope=RopeTable.from_model(model)")
         self.config = config
         self.codec = codec
+        self.rope = rope  # shared by the compressed layers
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.rows = RowLayout(ReferenceSchedule(config.n_sink, config.stride, config.stride_alpha))
         layers = [KiviLayer(config) if i in config.full_attention_layers
@@ -443,6 +448,15 @@ class ResidualKVCache(Cache):
             self.latent = LatentValues(self)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        out = self._update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:  # the step's last layer: what only this step needed goes
+            if self.rope is not None:
+                self.rope.forget()
+            if self.sparse is not None:
+                self.sparse.selection = None
+        return out
+
+    def _update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if layer.n_slots == self.rows.n_slots:  # the first layer to see this step's tokens
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
@@ -492,9 +506,8 @@ class ResidualKVCache(Cache):
         if "snapkv" in (cfg.mode, self.config.mode) and cfg.mode != self.config.mode:
             raise ValueError("SnapKV eviction happens during the prompt: build a snapkv cache and prefill it")
         memo = {id(m): m for m in (self.codec.modules() if self.codec is not None else [])}
-        for layer in self.layers:
-            if isinstance(layer, ResidualLayer):
-                memo[id(layer.rope)] = layer.rope
+        if self.rope is not None:
+            memo[id(self.rope)] = self.rope
         sparse, fused, latent = self.sparse, self.fused_full, self.latent
         self.sparse = self.fused_full = self.latent = None
         try:
@@ -584,7 +597,7 @@ class OmniKVCache(ResidualKVCache):
         config.check_model(num_layers)
         if config.mode == "snapkv":
             raise ValueError("OmniKVCache supports mode 'omnikv' (or 'standalone'); SnapKV eviction belongs to its own baseline")
-        self.config, self.codec = config, None
+        self.config, self.codec, self.rope = config, None, None
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.rows = RowLayout(ReferenceSchedule(config.n_sink, config.stride, config.stride_alpha))
         Cache.__init__(self, layers=[DenseLayer() for _ in range(num_layers)])

@@ -77,3 +77,8 @@ class RopeTable:
         out = self.rotary(probe, positions)
         self._last = (positions.clone(), dtype, out)  # a copy: the caller's tensor may change later
         return out
+
+    def forget(self) -> None:
+        """Drop the kept answer. Caches call this once a step's last layer is done: the next step asks
+        for other positions, so kept between steps it would only hold cos/sin over the history."""
+        self._last = None

@@ -43,7 +43,6 @@ class SnapKVLayer(DynamicLayer):
         self.scaling: float | None = None
         self.compressed = False
         self.prompt_length = 0
-        self.kept_indices: torch.Tensor | None = None  # [B, H_kv, kept] prompt positions kept, ascending
         # CR, as accounting.py measures it: history tokens attended / history tokens, over decode steps
         # (one new token per row; the prefill attends densely)
         self.tokens_read = 0
@@ -82,7 +81,6 @@ class SnapKVLayer(DynamicLayer):
         n_sel = self.n_selected(n)
         prefix = n - w
         if n_sel >= prefix:  # nothing to evict
-            self.kept_indices = torch.arange(n, device=keys.device).expand(B, H_kv, n)
             return keys, values
         from .attention import snapkv_head_scores, snapkv_token_scores
 
@@ -92,8 +90,7 @@ class SnapKVLayer(DynamicLayer):
         scores = snapkv_head_scores(votes, H_kv, self.kernel_size)  # [B, H_kv, prefix]
         top = scores.topk(n_sel, dim=-1).indices.sort(dim=-1).values
         window_idx = torch.arange(prefix, n, device=keys.device).expand(B, H_kv, w)
-        idx = torch.cat([top, window_idx], dim=-1)
-        self.kept_indices = idx
+        idx = torch.cat([top, window_idx], dim=-1)  # not kept: attention needs only the kept K/V (and bytes)
         gather = idx[..., None].expand(-1, -1, -1, D)
         return keys.gather(2, gather).contiguous(), values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1])).contiguous()
 
@@ -110,7 +107,6 @@ class SnapKVLayer(DynamicLayer):
         self.pending_queries = None
         self.compressed = False
         self.prompt_length = 0
-        self.kept_indices = None
         self.tokens_read = self.tokens_available = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -217,7 +213,9 @@ def snapkv_report(cache: SnapKVCache) -> dict[str, Any]:
         formula = 0.0
     kr = kept / fp16 if fp16 else 0.0
     return {"kr_measured": kr, "kr_formula": formula, "cr": sum(per_layer) / len(per_layer) if per_layer else 1.0,
-            "cr_per_layer": per_layer, "cr_scope": "decode steps (one new token per row); prefill attends densely", "bytes": {"kept_kv_fp16": kept}, "total_bytes": kept, "fp16_bytes": fp16,
+            "cr_per_layer": per_layer, "cr_scope": "decode steps (one new token per row); prefill attends densely",
+            "bytes": {"kept_kv_fp16": kept}, "total_bytes": kept, "fp16_bytes": fp16,
+            "held_bytes": sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values)),
             "gap": {}, "unexplained": kr - formula,
             "inputs": {"window": cache.window, "ratio": cache.ratio, "budget": cache.budget,
                        "kernel_size": cache.kernel_size}}

@@ -170,7 +170,6 @@ class ResidualStore:
         # instrumentation (what reads really reconstructed): latent codes decoded, references read
         self.codes_decoded = 0
         self.refs_decoded = 0
-        self._layout: tuple | None = None  # cached (n, is_ref [n], ref ordinals [R]) of the schedule
         # training only (ResidualKVCache.keep_grad_history): the differentiable reconstructions `write`
         # returned, read back in place of decoding the stored (detached) bytes so that a later call's
         # loss reaches the encoder too; equal to the decoded bytes up to float rounding
@@ -407,10 +406,9 @@ class ResidualStore:
 
     def _schedule_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(is_ref [n] bool, reference ordinals [R] long) of the schedule over this store's coded ordinals."""
+        # not kept between calls: the next step has one more coded ordinal, so a kept copy was never reused
         n = self.n_coded
-        if self._layout is None or self._layout[0] != n or self._layout[1].device != device:
-            self._layout = (n, self.schedule.is_ref(0, n).to(device), self.schedule.ref_ordinals(n).to(device))
-        return self._layout[1], self._layout[2]
+        return self.schedule.is_ref(0, n).to(device), self.schedule.ref_ordinals(n).to(device)
 
     def _locate(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Coded ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes)."""

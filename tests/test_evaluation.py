@@ -192,16 +192,20 @@ def test_snapkv_keeps_budget_plus_window_and_the_window():
     model = _snap_model()
     ids = torch.randint(0, 128, (1, 150))
     cache = SnapKVCache.from_model(model, window=16, budget=20)
+    full = DynamicCache(config=model.config)
     with torch.no_grad():
-        ref = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits
+        ref = model(input_ids=ids, cache=full).logits
         out = model(input_ids=ids, cache=cache).logits
     torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the prefill's own attention is unchanged
-    for layer in cache.layers:
+    for layer, whole in zip(cache.layers, full.layers):
         assert layer.keys.shape[-2] == 20 + 16
-        idx = layer.kept_indices[0]
-        assert idx.shape[-1] == 36
+        # which prompt token each kept key is (the cache keeps no indices): its exact match among the prompt's
+        same = (layer.keys[0, :, :, None, :] == whole.keys[0, :, None, :, :]).all(-1)  # [H, kept, 150]
+        assert (same.sum(-1) == 1).all()
+        idx = same.float().argmax(-1)
         assert torch.equal(idx[:, -16:], torch.arange(134, 150).expand(idx.shape[0], 16))
         assert (idx[:, :20] < 134).all() and (idx.diff(dim=-1) > 0).all()
+        assert torch.equal(layer.values[0], whole.values[0].gather(1, idx[..., None].expand(-1, -1, whole.values.shape[-1])))
     assert cache.get_seq_length() == 150
     rep = snapkv_report(cache)
     assert rep["kr_measured"] == pytest.approx(36 / 150)

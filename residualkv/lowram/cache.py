@@ -342,7 +342,7 @@ class LowRAMCache(Cache):
         if packs_heads and head_dim % head_group(config, head_dim):
             raise ConfigError(f"invalid group_size={config.group_size}: quantised residuals and landmarks need a group "
                               f"size that divides head_dim={head_dim}")
-        self.config = config
+        self.config, self.rope = config, rope
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.starts = starts  # per layer: a learnt start [H, ...], or Slim's (w_lin, b2)
         self.rows = RowLayout(schedule=None)  # LowRAM has no reference schedule; rows and positions only
@@ -372,6 +372,12 @@ class LowRAMCache(Cache):
                    rope=RopeTable.from_model(model), starts=starts)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        out = self._update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:  # the step's last layer: its cos/sin are not asked for again
+            self.rope.forget()
+        return out
+
+    def _update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if layer.n_slots == self.rows.n_slots:  # the first layer to see this call's tokens
             self.rows.append(_position_ids(args, kwargs), key_states.shape[0], key_states.shape[2], key_states.device)
@@ -381,9 +387,14 @@ class LowRAMCache(Cache):
             B, H, _, D = key_states.shape
             # zero-length stand-ins: the attention function recognises the K object and calls layer.attend
             k, v = key_states.new_empty(B, H, 0, D), value_states.new_empty(B, H, 0, value_states.shape[-1])
-            rows = self.rows
-            attention.hand_off(self, attention.Handoff(None, layer_idx, "attend", k, None,
-                                                       attend=lambda q, scaling: layer.attend(q, rows, scaling)))
+            rows, last = self.rows, layer_idx == len(self.layers) - 1
+
+            def attend(q, scaling):
+                out = layer.attend(q, rows, scaling)
+                if last:  # this read comes after update() returned: the step ends here
+                    self.rope.forget()
+                return out
+            attention.hand_off(self, attention.Handoff(None, layer_idx, "attend", k, None, attend=attend))
             return k, v
         out = layer.update(key_states, value_states, self.rows)
         group = next(g for g in self.xkv_groups if layer_idx in g)
