@@ -9,7 +9,10 @@ Stores grow in place into spare capacity (residualkv.growing): `spare_bytes` is 
 that holds no data yet, and `kr_allocated` counts it too; KR does not. `working_vs_fp16` is memory
 kept between decode steps that can be rebuilt from the stored bytes (the reuse buffers of LowRAM-SR and
 of ResidualKV + OmniKV with select_reuse, residualkv/reuse.py), / FP16 cache bytes; KR does not count
-it either.
+it either. `bookkeeping_bytes` is what the cache holds that its config and batch layout determine (each row
+group's row indices, the reference schedule's ordinals): not in KR. `held_bytes` is every byte of tensor
+memory the cache holds: stored (in the dtype kept, where dense tokens of a float32 model are charged as
+FP16) + spare + working + bookkeeping; tests/test_memory.py checks it against the allocator.
 CR = history tokens that took part in attention / history tokens, averaged over layers, measured over
 decode steps (one new token per row; prefill attends densely in every mode) from what the attention
 path really read. With filter (full-attention) layers a fraction β of the layers, CR = β + (1-β)·r,
@@ -23,6 +26,7 @@ from typing import Any
 from transformers import DynamicCache
 
 from .cache import KiviLayer, OmniKVCache, ResidualKVCache, ResidualLayer
+from .stores import nbytes_of
 
 
 def q_bits(bits: int, group: int) -> float:
@@ -129,8 +133,10 @@ def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
     comp = cache.nbytes()
     fp16 = cache.fp16_bytes()
     kv = comp.get("kv_fp16", 0)
-    return {"kr_measured": kv / fp16 if fp16 else 1.0, "kr_formula": 1.0, "bytes": comp, "total_bytes": sum(comp.values()),
-            **_spare(cache, sum(comp.values()), fp16), "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
+    total = sum(comp.values())
+    as_held = total - kv + sum(nbytes_of(s.k, s.v) for layer in cache.layers for s in layer.stores)  # the model's dtype
+    return {"kr_measured": kv / fp16 if fp16 else 1.0, "kr_formula": 1.0, "bytes": comp, "total_bytes": total,
+            **_beside(cache, total, fp16, stored_as_held=as_held), "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
             **_sparse_report(cache)}
 
 
@@ -162,7 +168,7 @@ def _report_lowram(cache) -> dict[str, Any]:
             "history_tokens_per_step": _per_step(cache.layers, steps, 0),
             "tokens_attended_per_step": _per_step(cache.layers, steps, 1),
             "selective": _selective_report(cache, stores, buffer) if cfg.selective else None,
-            "bytes": comp, "total_bytes": total, **_spare(cache, total, fp16), "fp16_bytes": fp16, "gap": gap,
+            "bytes": comp, "total_bytes": total, **_beside(cache, total, fp16, buffer), "fp16_bytes": fp16, "gap": gap,
             "unexplained": 0.0, "working_vs_fp16": buffer / fp16 if fp16 else 0.0,
             "inputs": {"ratio": cache.config.ratio, "layer_group": cache.config.layer_group, "key_ranks": cache.key_ranks,
                        "residual_fraction": sum(s.n_keep / s.n_prompt for s in stores) / len(stores) if stores else 0.0,
@@ -186,17 +192,24 @@ def _selective_report(cache, stores, buffer: int) -> dict[str, Any]:
             "reuse_buffer_bytes": buffer}
 
 
-def _spare(cache, total: int, fp16: int) -> dict[str, Any]:
-    spare = cache.spare_bytes()
-    return {"spare_bytes": spare, "kr_allocated": (total + spare) / fp16 if fp16 else 0.0}
+def _beside(cache, total: int, fp16: int, buffer: int = 0, stored_as_held: int | None = None) -> dict[str, Any]:
+    """Memory beside KR's bytes: spare capacity, bookkeeping, and all of it held (`stored_as_held`: the
+    stored bytes as allocated, where the FP16 charge differs from the dtype they are kept in)."""
+    spare, book = cache.spare_bytes(), cache.rows.bookkeeping_bytes()
+    held = (total if stored_as_held is None else stored_as_held) + spare + buffer + book
+    return {"spare_bytes": spare, "kr_allocated": (total + spare) / fp16 if fp16 else 0.0,
+            "bookkeeping_bytes": book, "held_bytes": held}
 
 
 def _report_dynamic(cache: DynamicCache) -> dict[str, Any]:
     # The baseline is defined as the FP16 full cache, whatever dtype this run computes in.
     numel = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized)
     fp16 = numel * 2
+    held = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers if layer.is_initialized)
     return {"kr_measured": 1.0, "kr_formula": 1.0, "cr": 1.0, "cr_per_layer": [1.0] * len(cache.layers),
-            "bytes": {"kv_fp16": fp16}, "total_bytes": fp16, "fp16_bytes": fp16, "gap": {}, "unexplained": 0.0}
+            "bytes": {"kv_fp16": fp16}, "total_bytes": fp16, "held_bytes": held, "fp16_bytes": fp16, "gap": {},
+            "unexplained": 0.0}
 
 
 def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
@@ -258,7 +271,7 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
         **_sparse_report(cache),
         "bytes": comp,
         "total_bytes": total,
-        **_spare(cache, total, fp16),
+        **_beside(cache, total, fp16, buffer),
         "fp16_bytes": fp16,
         "reuse_buffer_bytes": buffer,
         "working_vs_fp16": buffer / fp16 if fp16 else 0.0,

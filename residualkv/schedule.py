@@ -19,17 +19,18 @@ class ReferenceSchedule:
         self.n_sink = int(n_sink)
         self.stride = int(stride)
         self.alpha = float(alpha)
-        self._positions: list[int] = list(range(self.n_sink))  # ref ordinals, increasing
+        self._positions: list[int] = []  # ref ordinals, increasing, as far as asked for
         # the same ordinals as a tensor, grown with the list: every layer asks at every decode step, and
-        # rebuilding it from the list each time cost more than the step's reference bookkeeping itself
-        self._tensor = torch.arange(self.n_sink, dtype=torch.long)
-        self._next = self.n_sink  # next non-sink reference ordinal
+        # rebuilding it from the list each time cost more than the step's reference bookkeeping itself.
+        # Both start empty, so a cache that never asks holds none of it (see bookkeeping_bytes).
+        self._tensor = torch.empty(0, dtype=torch.long)
+        self._next = 0  # next reference ordinal
 
     def _extend(self, n: int) -> None:
         new = []
         while self._next < n:
             new.append(self._next)
-            self._next += self.stride + math.floor(self.alpha * (self._next - self.n_sink))
+            self._next += 1 if self._next < self.n_sink else self.stride + math.floor(self.alpha * (self._next - self.n_sink))
         if new:
             self._positions.extend(new)
             self._tensor = torch.cat([self._tensor, torch.tensor(new, dtype=torch.long)])
@@ -46,6 +47,10 @@ class ReferenceSchedule:
         lo, hi = bisect_left(self._positions, start), bisect_left(self._positions, end)
         mask[self._tensor[lo:hi] - start] = True
         return mask
+
+    def nbytes(self) -> int:
+        """The ordinals held as a tensor: bookkeeping the config determines, not stored data."""
+        return self._tensor.numel() * self._tensor.element_size()
 
     def count_in(self, start: int, end: int) -> int:
         """How many references among ordinals [start, end), without building a mask."""

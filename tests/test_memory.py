@@ -1,0 +1,109 @@
+"""Every byte a cache holds is named by the accounting: the allocator's count equals the report's
+`held_bytes` (stored + spare + working + bookkeeping) for every method, after a prefill and decode steps."""
+
+import pytest
+import torch
+
+from residualkv import accounting
+from residualkv.config import ResidualKVConfig
+from residualkv.memory import cache_memory, traced
+from residualkv.methods import build_cache
+
+from .test_training import tiny_codec, tiny_model
+
+PROMPT, STEPS = 96, 3
+BASE = ResidualKVConfig(full_attention_layers=(0,), n_sink=2, stride=4)
+SELECT = dict(select_budget=16, n_recent=8)  # below the prompt, so the sparse reads engage
+LOWRAM = dict(fit_steps=3, sr_budget=16, sr_outliers=2, sr_window=8)
+
+CASES = {
+    "full": {}, "kivi4": {}, "kivi2": {}, "residualkv-dagger": {}, "snapkv": {}, "omnikv": SELECT,
+    "residualkv": SELECT, "residualkv-reuse": SELECT, "residualkv-standalone": {}, "residualkv-int2": {},
+    "residualkv-snapkv": dict(select_budget=16), "lowram": LOWRAM, "lowram-q": LOWRAM, "lowram-sr": LOWRAM,
+    "lowram-sr-reuse": LOWRAM, "lowram-e": LOWRAM,
+}
+
+
+@pytest.fixture(scope="module")
+def model_and_codec():
+    torch.set_num_threads(1)  # allocations on intra-op worker threads are not attributed (residualkv.memory)
+    model = tiny_model()
+    return model, tiny_codec(model)
+
+
+def _run(model, cache, ids) -> None:
+    with torch.no_grad():
+        token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(STEPS):
+            token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_accounting_names_every_byte_the_cache_holds(model_and_codec, name):
+    model, codec = model_and_codec
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    _run(model, build_cache(name, model, codec, BASE, **CASES[name]), ids)  # one-time lazy set-up of model/codec
+    cache = build_cache(name, model, codec, BASE, **CASES[name])
+    with traced() as mem:
+        _run(model, cache, ids)
+    rep = accounting.report(cache)
+    assert mem.held_bytes == rep["held_bytes"], (name, mem.held_bytes - rep["held_bytes"])
+    assert rep["total_bytes"] < rep["fp16_bytes"] or name in ("full", "omnikv")
+    assert mem.peak_bytes >= mem.held_bytes
+
+
+@pytest.mark.parametrize("name", ["residualkv", "residualkv-snapkv", "lowram-e"])
+def test_every_byte_named_with_a_left_padded_batch(model_and_codec, name):
+    model, codec = model_and_codec
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 128, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run(cache):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            token, m, p = out.logits[:, -1:].argmax(-1), mask, pos[:, -1:]
+            for _ in range(STEPS):
+                m, p = torch.cat([m, torch.ones_like(m[:, :1])], 1), p + 1
+                token = model(input_ids=token, attention_mask=m, position_ids=p, cache=cache,
+                              use_cache=True).logits[:, -1:].argmax(-1)
+
+    run(build_cache(name, model, codec, BASE, **CASES[name]))
+    cache = build_cache(name, model, codec, BASE, **CASES[name])
+    with traced() as mem:
+        run(cache)
+    rep = accounting.report(cache)
+    assert rep["bookkeeping_bytes"] >= 2 * 8  # two row groups' row indices at least
+    assert mem.held_bytes == rep["held_bytes"], (name, mem.held_bytes - rep["held_bytes"])
+
+
+def test_cache_memory_of_prefill_and_steps(model_and_codec):
+    """What the benchmarks and the pipeline report: the cache held after the steps is the accounting's
+    held_bytes; the full cache holds float32 K/V here (twice the FP16 bytes KR is measured against)."""
+    model, codec = model_and_codec
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    out, reps = {}, {}
+    for name in ("full", "residualkv"):
+        cache_memory(model, build_cache(name, model, codec, BASE, **CASES[name]), ids)
+        cache = build_cache(name, model, codec, BASE, **CASES[name])
+        out[name], reps[name] = cache_memory(model, cache, ids, decode_steps=2), accounting.report(cache)
+        assert out[name]["cache_held_bytes"] == reps[name]["held_bytes"]
+        assert out[name]["prefill_peak_mib"] > out[name]["decode_step_peak_mib"] > 0
+    assert out["full"]["cache_held_bytes"] == 2 * reps["full"]["fp16_bytes"]
+    assert out["residualkv"]["cache_held_bytes"] < out["full"]["cache_held_bytes"] / 2
+
+
+def test_traced_counts_peak_and_held():
+    torch.set_num_threads(1)
+    with traced() as mem:
+        kept = torch.ones(1000, dtype=torch.float32)  # 4000 bytes, kept
+        tmp = torch.ones(5000, dtype=torch.float64)  # 40000 bytes, freed before the end
+        del tmp
+    assert mem.held_bytes == 4000
+    assert mem.peak_bytes == 44000
+    assert kept.sum() == 1000
+    with pytest.raises(ValueError, match="only 'cpu' and 'cuda'"):
+        with traced("meta"):
+            pass
