@@ -143,7 +143,8 @@ def _decode_run(model, cache, ids, n_new: int) -> tuple[float, list[float]]:
 
 
 def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[str, Any], *, use_cache: bool = True) -> dict[str, Any]:
-    """Prefill and decode tokens/s, methods side by side in one process, rounds interleaved (CPU here).
+    """Prefill and decode tokens/s, methods side by side in one process, rounds interleaved (CPU here), and
+    each method's tensor memory (prefill peak, decode-step peak, cache held; residualkv.memory).
 
     With CUDA present the same loop also runs on the GPU, and `benchmarks/gpu_bench.py` (the Triton
     kernels' benchmark) is run when it exists; its JSON is attached.
@@ -154,11 +155,12 @@ def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[st
     payload = {"backbone": backbone_identity(model, spec), "codec": _codec_sha(codec_dir),
                "config": {k: config[k] for k in ("methods", "context_lens", "new_tokens", "repeats")},
                "host": platform.node(), "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-               "code": source_hash(*LIBRARY, "tasks.measure")}
+               "code": source_hash(*LIBRARY, "residualkv.memory", "tasks.measure")}
 
     def compute(folder: Path) -> dict[str, Any]:
         from residualkv.cli import context_ids
         from residualkv.evaluation import build_method_cache
+        from residualkv.memory import cache_memory
 
         base = cache_defaults(spec)
         rows = []
@@ -175,9 +177,12 @@ def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[st
             full_tok_s = None
             for m in config["methods"]:
                 step = statistics.median(per[m]["steps"])
+                # tensor memory from a pass of its own: tracing allocations slows the run it watches
+                mem = cache_memory(model, build_method_cache(m, model, codec, base), ids)
                 row = {"method": m, "context_len": int(L), "device": "cpu", "threads": torch.get_num_threads(),
                        "prefill_tok_s": int(L) / statistics.median(per[m]["prefill"]), "decode_tok_s": 1.0 / step,
-                       "decode_ms_per_token": 1000 * step, "decode_steps_timed": len(per[m]["steps"])}
+                       "decode_ms_per_token": 1000 * step, "decode_steps_timed": len(per[m]["steps"]),
+                       **{k: mem[k] for k in ("prefill_peak_mib", "decode_step_peak_mib", "cache_held_mib")}}
                 if m == "full":
                     full_tok_s = row["decode_tok_s"]
                 rows.append(row)

@@ -199,11 +199,15 @@ def make_plots(folder: Path, history: Mapping[int, Mapping[str, float]], bench_r
 
         out.append(plot_score_vs_kr([dict(r) for r in bench_rows], folder / "quality_vs_kr.png"))
     if speed_rows:
-        series = {}
-        for m in dict.fromkeys(r["method"] for r in speed_rows):
-            pts = sorted((r["context_len"], r["decode_tok_s"]) for r in speed_rows if r["method"] == m)
-            series[m] = ([p[0] for p in pts], [p[1] for p in pts])
-        line_plot("throughput.png", series, "context tokens", "decode tokens/s (CPU)", "decode throughput")
+        def by_method(key: str) -> dict:
+            series = {}
+            for m in dict.fromkeys(r["method"] for r in speed_rows):
+                pts = sorted((r["context_len"], r[key]) for r in speed_rows if r["method"] == m and _finite(r.get(key)))
+                series[m] = ([p[0] for p in pts], [p[1] for p in pts])
+            return series
+        line_plot("throughput.png", by_method("decode_tok_s"), "context tokens", "decode tokens/s (CPU)", "decode throughput")
+        line_plot("memory.png", by_method("cache_held_mib"), "context tokens", "MiB held by the cache (allocator)",
+                  "cache memory")
     return out
 
 
@@ -248,6 +252,9 @@ def log_results(run_id: str, report_dir: str, train: Mapping[str, Any], kr: Mapp
     for r in speed["rows"]:
         metrics.append(Metric(f"speed/{r['method']}/decode_tok_s_ctx{r['context_len']}", float(r["decode_tok_s"]), now, 0))
         metrics.append(Metric(f"speed/{r['method']}/prefill_tok_s_ctx{r['context_len']}", float(r["prefill_tok_s"]), now, 0))
+        for key in ("prefill_peak_mib", "cache_held_mib"):
+            if _finite(r.get(key)):
+                metrics.append(Metric(f"memory/{r['method']}/{key}_ctx{r['context_len']}", float(r[key]), now, 0))
     for k in ("steps", "tokens", "train_seconds"):
         if _finite(train.get(k)):
             metrics.append(Metric(f"train_{k}", float(train[k]), now, 0))

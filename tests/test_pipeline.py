@@ -113,9 +113,12 @@ def test_run_registers_a_champion_with_artifacts(smoke, store):
     tables = {f.path for f in c.list_artifacts(mv.run_id, "tables")}
     assert {"tables/kr_cr.csv", "tables/benchmark.csv", "tables/throughput.csv"} <= tables
     plots = {f.path for f in c.list_artifacts(mv.run_id, "plots")}
-    assert {"plots/training_loss.png", "plots/quality_vs_kr.png", "plots/throughput.png"} <= plots
+    assert {"plots/training_loss.png", "plots/quality_vs_kr.png", "plots/throughput.png", "plots/memory.png"} <= plots
     run = c.get_run(mv.run_id)
     assert run.info.status == "FINISHED"
+    # the cache's memory beside its speed, compressed below the full cache's
+    held = {k.split("/")[1]: v for k, v in run.data.metrics.items() if k.startswith("memory/") and "cache_held" in k}
+    assert {"full", "residualkv"} <= set(held) and 0 < held["residualkv"] < held["full"]
     assert any(k.startswith("train/loss") for k in run.data.metrics)
     assert "train.steps" in run.data.params
     assert Path(b["report_dir"], "plots", "quality_vs_kr.png").is_file()
