@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,7 @@ from residualkv.cache import ResidualKVCache  # noqa: E402
 from residualkv.stores import KiviStore, ResidualStore  # noqa: E402
 from residualkv.codec import LayerCodec, ResidualCodec  # noqa: E402
 from residualkv.config import CodecDims, ResidualKVConfig  # noqa: E402
+from residualkv.memory import traced  # noqa: E402
 from residualkv.quant import Packed, PackedIndices, decode_ref, encode_ref, index_bits, pack_indices, quantize  # noqa: E402
 from residualkv.rope import RopeTable, apply_rope, invert_rope  # noqa: E402
 from residualkv.schedule import ReferenceSchedule  # noqa: E402
@@ -787,9 +789,13 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                                                  variant.endswith("fp16-full-layers"), gen)
                         del layers_state
                     row["state_build_s"] = round(time.monotonic() - t, 1)
-                    ms = decode_steps(model, cache, B, n, 1 if variant == "residualkv-library" else steps, dev, gen,
-                                      warmup=0 if quick else 1)
+                    # the CUDA allocator's own peak (free to read); on a CPU the profiler would slow the steps timed
+                    with (traced(dev) if dev.type == "cuda" else nullcontext()) as mem:
+                        ms = decode_steps(model, cache, B, n, 1 if variant == "residualkv-library" else steps, dev, gen,
+                                          warmup=0 if quick else 1)
                     row.update(status="ok", ms_per_step=round(ms, 2), tokens_per_s=round(B * 1e3 / ms, 2))
+                    if mem is not None:  # working memory of the steps beyond the state (the cache) they start from
+                        row["decode_peak_GB"] = round(mem.peak_bytes / 1e9, 3)
                     if variant.startswith("residualkv+omnikv"):  # what the sparse layers actually reconstructed
                         logs = [lay.decode_log[-1] for lay in cache.layers if getattr(lay, "decode_log", None)]
                         row["attended_tokens_per_layer_last_step"] = [lg[1] for lg in logs]
