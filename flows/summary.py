@@ -40,9 +40,10 @@ def backbone_table(bench_rows: Sequence[Mapping[str, Any]], speed_rows: Sequence
         rows.append([r["method"], _fmt(r.get("context_len"), "int"), _fmt(r.get("kr_measured"), "pct"),
                      _fmt(r.get("kr_formula"), "pct"), _fmt(r.get("cr"), "pct"), _fmt(r.get("score"), "pct"),
                      _fmt(r.get("rel_score")), _fmt(r.get("answer_nll_delta"), "signed"), _fmt(r.get("ppl_rel")),
-                     f"{s['decode_tok_s']:.1f} @{s['context_len']}" if s else "-"])
+                     f"{s['decode_tok_s']:.1f} @{s['context_len']}" if s else "-",
+                     f"{s['cache_held_mib']:.1f}" if s and s.get("cache_held_mib") is not None else "-"])
     return table(["method", "ctx", "KR meas.", "KR formula", "CR", "score", "rel. score", "ans. NLL-full",
-                  "ppl/full", "decode tok/s (CPU)"], rows)
+                  "ppl/full", "decode tok/s (CPU)", "cache MiB"], rows)
 
 
 def pipeline_summary(result: Mapping[str, Any]) -> str:
