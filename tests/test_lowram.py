@@ -14,7 +14,7 @@ from residualkv.lowram import LowRAMCache
 from residualkv.lowram.cache import LowRAMStore, predictor_bytes
 from residualkv.lowram.keys import fit_layer_factors, low_rank_basis, rank_for_ratio
 from residualkv.lowram.selective import chunk_tokens
-from residualkv.lowram.values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
+from residualkv.lowram.values import Predictor, fit_predictor, slim_init, slim_start, slim_starts, worst_predicted
 from residualkv.methods import build_cache
 from residualkv.quant import Packed, unpack_bits
 from residualkv.rope import apply_rope, invert_rope
@@ -89,6 +89,19 @@ def test_slim_init_is_exact_for_one_invertible_head():
     w_lin, b = slim_init(kp, vp, n_kv=1, head_dim=16)
     with torch.no_grad():
         assert torch.allclose(kp(x) @ w_lin[0] + b[0], vp(x), atol=1e-4)
+
+
+def test_slim_starts_are_shared_by_caches_and_follow_the_weights():
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    first = slim_starts(model, 2, 16)
+    assert slim_starts(model, 2, 16) is first  # one copy per model, not one per cache
+    assert LowRAMCache.from_model(model).starts is first
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.mul_(2)  # an in-place edit of the weights
+    again = slim_starts(model, 2, 16)
+    assert again is not first
+    torch.testing.assert_close(again[1][0], 2 * first[1][0])
+    torch.testing.assert_close(again[0][0], first[0][0])
 
 
 def test_fitting_beats_its_linear_start_and_heads_are_independent():

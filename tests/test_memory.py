@@ -42,9 +42,9 @@ def _run(model, cache, ids) -> None:
 def test_accounting_names_every_byte_the_cache_holds(model_and_codec, name):
     model, codec = model_and_codec
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
-    _run(model, build_cache(name, model, codec, BASE, **CASES[name]), ids)  # one-time lazy set-up of model/codec
-    cache = build_cache(name, model, codec, BASE, **CASES[name])
-    with traced() as mem:
+    _run(model, build_cache(name, model, codec, BASE, **CASES[name]), ids)  # one-time set-up shared by caches
+    with traced() as mem:  # from its construction: a cache holds nothing the accounting does not name
+        cache = build_cache(name, model, codec, BASE, **CASES[name])
         _run(model, cache, ids)
     rep = accounting.report(cache)
     assert mem.held_bytes == rep["held_bytes"], (name, mem.held_bytes - rep["held_bytes"])
@@ -71,8 +71,8 @@ def test_every_byte_named_with_a_left_padded_batch(model_and_codec, name):
                               use_cache=True).logits[:, -1:].argmax(-1)
 
     run(build_cache(name, model, codec, BASE, **CASES[name]))
-    cache = build_cache(name, model, codec, BASE, **CASES[name])
     with traced() as mem:
+        cache = build_cache(name, model, codec, BASE, **CASES[name])
         run(cache)
     rep = accounting.report(cache)
     assert rep["bookkeeping_bytes"] >= 2 * 8  # two row groups' row indices at least

@@ -36,7 +36,7 @@ from .keys import fit_layer_factors, low_rank_basis, rank_for_ratio
 from .quantised import Quantised, bytes_per_coord, head_group
 from .selective import Selective, chunks_selected, extra_bytes, tokens_chosen
 from .starts import PredictorStarts
-from .values import Predictor, fit_predictor, slim_init, slim_start, worst_predicted
+from .values import Predictor, fit_predictor, slim_start, slim_starts, worst_predicted
 
 
 class LowRAMStore:
@@ -357,8 +357,7 @@ class LowRAMCache(Cache):
         config = (config or LowRAMConfig()).replace(**changes)
         n_layers, n_kv, head_dim = model_shape(model.config)
         if config.start == "slim":
-            attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
-            starts = [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn]
+            starts = slim_starts(model, n_kv, head_dim)
         else:
             saved = PredictorStarts.resolve(config.starts_path, model)
             starts = [saved.start(config.start, i) for i in range(n_layers)]

@@ -10,6 +10,7 @@ tokens f predicts worst keep their residual v - f(k); the dense values are dropp
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -49,6 +50,22 @@ def slim_init(k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, n_kv: int, head_
         return b.view(n_kv, 1, head_dim)
 
     return w_lin.float(), (bias(v_proj) - bias(k_proj) @ w_lin).float()
+
+
+_SLIM: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def slim_starts(model: torch.nn.Module, n_kv: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`slim_init` of every layer of `model`, computed once and shared by all its caches: constants of the
+    weights, as a codec's are, so a cache per request holds none of them (callers must not write into
+    them). Computed again when a projection's weights change (replaced or edited in place)."""
+    attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
+    weights = [p for a in attn for p in (a.k_proj.weight, a.v_proj.weight)]
+    version = tuple((id(p), p.data_ptr(), p._version) for p in weights)
+    hit = _SLIM.get(model)
+    if hit is None or hit[0] != version:
+        hit = _SLIM[model] = (version, [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn])
+    return hit[1]
 
 
 def slim_start(w_lin: torch.Tensor, b2: torch.Tensor, hidden: int, generator: torch.Generator | None = None) -> Predictor:
