@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from residualkv import accounting  # noqa: E402
 from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.cli import base_config, context_ids  # noqa: E402
-from residualkv.memory import cache_memory  # noqa: E402
+from residualkv.memory import cache_memory, prefill  # noqa: E402
 from residualkv.methods import build_cache, get_method  # noqa: E402
 from decode_speed import get_codec  # noqa: E402
 from trees import describe  # noqa: E402
@@ -48,18 +48,13 @@ MIB = 2**20
 
 
 @torch.no_grad()
-def _prefill(model, cache, ids) -> torch.Tensor:
-    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-
-
-@torch.no_grad()
 def _step(model, cache, token) -> torch.Tensor:
     return model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
-def timed(model, cache, ids, steps: int) -> dict:
+def timed(model, cache, ids, steps: int, chunk: int | None) -> dict:
     t0 = time.perf_counter()
-    token = _prefill(model, cache, ids)
+    token = prefill(model, cache, ids, chunk)
     prefill_s = time.perf_counter() - t0
     times = []
     for _ in range(steps + 1):  # the first step warms up
@@ -69,8 +64,8 @@ def timed(model, cache, ids, steps: int) -> dict:
     return {"prefill_s": prefill_s, "step_s": statistics.median(times[1:])}
 
 
-def measured(model, cache, ids, steps: int) -> dict:
-    mem = cache_memory(model, cache, ids, steps)
+def measured(model, cache, ids, steps: int, chunk: int | None) -> dict:
+    mem = cache_memory(model, cache, ids, steps, prefill_chunk=chunk)
     rep = accounting.report(cache)
     return {**mem, "stored_mib": rep["total_bytes"] / MIB, "unnamed_bytes": mem["cache_held_bytes"] - rep["held_bytes"],
             "kr_measured": rep["kr_measured"], "cr": rep.get("cr", 1.0)}
@@ -81,13 +76,14 @@ def run_context(model, tok, codec, cfg, ctx: int, methods: list[str], args) -> d
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for _ in range(args.repeats):
         for m in methods:  # interleaved: load on the shared CPU hits every method alike
-            runs[m].append(timed(model, build_cache(m, model, codec, cfg), ids, args.steps))
+            runs[m].append(timed(model, build_cache(m, model, codec, cfg), ids, args.steps, args.prefill_chunk))
     rows = []
     for m in methods:
         prefill_s = statistics.median(r["prefill_s"] for r in runs[m])
         step_s = statistics.median(r["step_s"] for r in runs[m])
         rows.append({"method": m, "context": ctx, "prefill_s": prefill_s, "prefill_tok_s": ctx / prefill_s,
-                     "decode_tok_s": 1 / step_s, **measured(model, build_cache(m, model, codec, cfg), ids, args.memory_steps)})
+                     "decode_tok_s": 1 / step_s, **measured(model, build_cache(m, model, codec, cfg), ids, args.memory_steps,
+                                                           args.prefill_chunk)})
     base = next((r for r in rows if r["method"] == "full"), None)
     for r in rows if base else []:
         r["prefill_vs_full"] = r["prefill_tok_s"] / base["prefill_tok_s"]
@@ -146,12 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-steps", type=int, default=2, help="traced decode steps (the peak is their maximum)")
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds per method (interleaved)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill in calls of this many tokens (methods "
+                    "that write incrementally; later chunks attend over the cache as stored)")
     ap.add_argument("--quick", action="store_true", help="256 and 512 tokens, for a smoke test")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         get_method(m)  # an unknown name fails here, with the list of known ones
+        if args.prefill_chunk and (m.startswith(("snapkv", "lowram")) or m == "residualkv-snapkv"):
+            ap.error(f"--prefill-chunk: {m} compresses or evicts its first call as the whole prompt; leave it out "
+                     "or prefill in one call")
     contexts = args.contexts or ([256, 512] if args.quick else [2048, 4096, 8192])
     torch.set_num_threads(args.threads)
     out_json = args.out or ROOT / "benchmarks" / "results" / f"prefill_memory_cpu{'_quick' if args.quick else ''}.json"
@@ -169,11 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {ctx} tokens done ({time.perf_counter() - t_all:.0f}s)", flush=True)
     print(table(results))
     note = (f"SmolLM2-135M fp32, CPU {torch.get_num_threads()} thread(s), load {load[0]:.1f}; weights {weights:.0f} MiB "
-            "(not included); tensor memory from torch's allocator events")
+            "(not included); tensor memory from torch's allocator events"
+            + (f"; prefill in {args.prefill_chunk}-token calls" if args.prefill_chunk else ""))
     payload = {"benchmark": "prefill_memory_cpu", "backbone": "smollm2-135m", "dtype": "float32", "codec": codec_note,
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_start": load,
                "load_average_end": os.getloadavg(), "machine": platform.machine(), "processor": _cpu_name(),
                "torch": torch.__version__, "commit": describe(ROOT), "weights_mib": weights,
+               "prefill_chunk": args.prefill_chunk,
                "protocol": {"timed_rounds": args.repeats, "decode_steps_timed": args.steps, "warmup_steps": 1,
                             "traced_decode_steps": args.memory_steps, "statistic": "median",
                             "memory": "residualkv.memory.traced (torch profiler allocator events, one-op resolution)"},

@@ -73,14 +73,25 @@ def traced(device: str | torch.device = "cpu") -> Iterator[TensorMemory]:
 
 
 @torch.no_grad()
-def cache_memory(model, cache, input_ids: torch.Tensor, decode_steps: int = 2) -> dict[str, float | int]:
+def prefill(model, cache, input_ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """The prompt through `model` into `cache` (in calls of `chunk` tokens: the activations then scale
+    with the chunk, and later chunks attend over the cache as stored); the greedy next token [B, 1]."""
+    step = chunk or input_ids.shape[1]
+    for s in range(0, input_ids.shape[1], step):
+        logits = model(input_ids=input_ids[:, s : s + step], cache=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def cache_memory(model, cache, input_ids: torch.Tensor, decode_steps: int = 2,
+                 prefill_chunk: int | None = None) -> dict[str, float | int]:
     """Tensor memory of one prompt through `model` with `cache`, then greedy decode steps: the prefill's
     peak above where it began (the cache it builds, the activations, the compression's working tensors),
     the largest decode step's peak above the level before it (what a step needs beyond the cache), and
     what the cache holds at the end (`cache_held_bytes`; the accounting's `held_bytes` names it)."""
     device = input_ids.device
     with traced(device) as pre:
-        token = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        token = prefill(model, cache, input_ids, prefill_chunk)
     held = pre.held_bytes - token.numel() * token.element_size()  # the cache's, not the next token's
     step_peak = 0
     for _ in range(decode_steps):

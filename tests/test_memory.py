@@ -93,6 +93,12 @@ def test_cache_memory_of_prefill_and_steps(model_and_codec):
         assert out[name]["prefill_peak_mib"] > out[name]["decode_step_peak_mib"] > 0
     assert out["full"]["cache_held_bytes"] == 2 * reps["full"]["fp16_bytes"]
     assert out["residualkv"]["cache_held_bytes"] < out["full"]["cache_held_bytes"] / 2
+    # a prefill in chunks holds the same kind of cache (the same tokens, attended as stored) at a lower peak
+    cache = build_cache("residualkv", model, codec, BASE, **CASES["residualkv"])
+    chunked = cache_memory(model, cache, ids, decode_steps=2, prefill_chunk=PROMPT // 4)
+    assert chunked["cache_held_bytes"] == accounting.report(cache)["held_bytes"]
+    assert cache.get_seq_length() == PROMPT + 2
+    assert chunked["prefill_peak_mib"] < out["residualkv"]["prefill_peak_mib"]
 
 
 def test_traced_counts_peak_and_held():
