@@ -17,6 +17,15 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**kw)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests, restored after (`pytestmark = usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     torch.manual_seed(0)

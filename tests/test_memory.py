@@ -24,9 +24,12 @@ CASES = {
 }
 
 
+# allocations on intra-op worker threads are not attributed (residualkv.memory)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def model_and_codec():
-    torch.set_num_threads(1)  # allocations on intra-op worker threads are not attributed (residualkv.memory)
     model = tiny_model()
     return model, tiny_codec(model)
 
@@ -102,7 +105,6 @@ def test_cache_memory_of_prefill_and_steps(model_and_codec):
 
 
 def test_traced_counts_peak_and_held():
-    torch.set_num_threads(1)
     with traced() as mem:
         kept = torch.ones(1000, dtype=torch.float32)  # 4000 bytes, kept
         tmp = torch.ones(5000, dtype=torch.float64)  # 40000 bytes, freed before the end

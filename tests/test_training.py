@@ -45,13 +45,8 @@ def fast(**kw) -> TrainConfig:
                            "eval_blocks": 0} | kw))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second OpenMP thread only adds synchronisation (and stalls on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny matrices: a second OpenMP thread only adds synchronisation (and stalls on a busy machine)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
