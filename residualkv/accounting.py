@@ -295,4 +295,7 @@ def explain(rep: dict[str, Any]) -> str:
         lines.append(f"  prompt tokens kept by eviction (LowRAM-E; the ratio applies to them): {rep['inputs']['prompt_kept']:.1%}")
     if rep.get("working_vs_fp16"):
         lines.append(f"  plus working memory (reuse buffers, not in KR): {rep['working_vs_fp16']:.2%} of the FP16 cache")
+    if rep.get("held_bytes") and rep.get("fp16_bytes"):
+        lines.append(f"  held in memory: {rep['held_bytes'] / 2**20:.2f} MiB, {rep['held_bytes'] / rep['fp16_bytes']:.2%} of "
+                     "the FP16 cache (stored, spare capacity, working memory, bookkeeping)")
     return "\n".join(lines)

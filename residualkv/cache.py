@@ -553,8 +553,8 @@ class ResidualKVCache(Cache):
         return out
 
     def spare_bytes(self) -> int:
-        """Bytes allocated past the stored ones: capacity the stores grow into (residualkv.growing), at
-        most about an eighth of what they hold; memory, not data, so outside `nbytes` and KR."""
+        """Bytes allocated past the stored ones: capacity the stores grow into (residualkv.growing), about
+        an eighth of what a long store holds (at least MIN_GROW rows); memory, not data, so outside `nbytes` and KR."""
         return sum(layer.spare_bytes() for layer in self.layers) + self.rows.spare_bytes()
 
     def fp16_bytes(self) -> int:
