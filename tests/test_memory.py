@@ -15,13 +15,16 @@ PROMPT, STEPS = 96, 3
 BASE = ResidualKVConfig(full_attention_layers=(0,), n_sink=2, stride=4)
 SELECT = dict(select_budget=16, n_recent=8)  # below the prompt, so the sparse reads engage
 LOWRAM = dict(fit_steps=3, sr_budget=16, sr_outliers=2, sr_window=8)
+SR_PROMPT = 200  # LowRAM-SR's landmarks and exact chunks fit its bytes (and selection engages) from here
 
 CASES = {
     "full": {}, "kivi4": {}, "kivi2": {}, "residualkv-dagger": {}, "snapkv": {}, "omnikv": SELECT,
     "residualkv": SELECT, "residualkv-reuse": SELECT, "residualkv-standalone": {}, "residualkv-int2": {},
-    "residualkv-snapkv": dict(select_budget=16), "lowram": LOWRAM, "lowram-q": LOWRAM, "lowram-sr": LOWRAM,
-    "lowram-sr-reuse": LOWRAM, "lowram-e": LOWRAM,
+    "residualkv-snapkv": dict(select_budget=16), "lowram": LOWRAM, "lowram-q": LOWRAM,
+    "lowram-sr": dict(LOWRAM, ratio=2.0), "lowram-sr-reuse": dict(LOWRAM, ratio=2.0), "lowram-e": LOWRAM,
 }
+READS_PART = {"snapkv", "omnikv", "residualkv", "residualkv-reuse", "residualkv-snapkv", "lowram-sr", "lowram-sr-reuse",
+              "lowram-e"}  # each path's selection or eviction engaged (CR < 1), so its memory is in the count
 
 
 # allocations on intra-op worker threads are not attributed (residualkv.memory)
@@ -44,7 +47,8 @@ def _run(model, cache, ids) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_accounting_names_every_byte_the_cache_holds(model_and_codec, name):
     model, codec = model_and_codec
-    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    n = SR_PROMPT if name.startswith("lowram-sr") else PROMPT
+    ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(0))
     _run(model, build_cache(name, model, codec, BASE, **CASES[name]), ids)  # one-time set-up shared by caches
     with traced() as mem:  # from its construction: a cache holds nothing the accounting does not name
         cache = build_cache(name, model, codec, BASE, **CASES[name])
@@ -53,6 +57,8 @@ def test_accounting_names_every_byte_the_cache_holds(model_and_codec, name):
     assert mem.held_bytes == rep["held_bytes"], (name, mem.held_bytes - rep["held_bytes"])
     assert rep["total_bytes"] < rep["fp16_bytes"] or name in ("full", "omnikv")
     assert mem.peak_bytes >= mem.held_bytes
+    assert (rep.get("cr", 1.0) < 1) == (name in READS_PART)
+    assert (rep.get("working_vs_fp16", 0) > 0) == name.endswith("-reuse")
 
 
 @pytest.mark.parametrize("name", ["residualkv", "residualkv-snapkv", "lowram-e"])
