@@ -113,6 +113,8 @@ def test_starts_are_found_for_their_model_and_refused_for_another(model, starts,
     cache = build_cache("lowram-meta", model)
     assert (cache.config.start, cache.config.fit_steps) == ("meta", 2)
     assert build_cache("lowram-warm", model).config.start == "warm"
+    # read once, shared by the caches that start from them (the file re-read only when it changes)
+    assert build_cache("lowram-meta", model).starts[0] is cache.starts[0]
     q = build_cache("lowram-q-meta", model)
     assert (q.config.ratio, q.config.key_bits, q.config.residual_bits, q.config.start) == (5.0, 4, 2, "meta")
 

@@ -21,14 +21,20 @@ import torch
 from ..config import ConfigError
 from ..paths import data_dir
 from ..saved import read_folder, save_folder
-from .values import Predictor
+from .values import Predictor, per_model
 
 WEIGHTS, META = "starts.safetensors", "starts.json"
 FORMAT_VERSION = 1
+_LOADED: dict[tuple, "PredictorStarts"] = {}  # (folder, its files' mtimes and sizes) -> starts, the last 8 read
 
 
 def kv_digest(model) -> str:
-    """sha256 over every layer's K and V projection weights and biases: what a start depends on."""
+    """sha256 over every layer's K and V projection weights and biases: what a start depends on (hashed
+    once per model while those weights stay the same: every cache build with learnt starts asks)."""
+    return per_model(model, "kv_digest", lambda: _kv_digest(model))
+
+
+def _kv_digest(model) -> str:
     h = hashlib.sha256()
     for layer in getattr(model, "model", model).layers:
         for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -64,15 +70,30 @@ class PredictorStarts:
 
     @classmethod
     def load(cls, directory: str | Path, model=None) -> "PredictorStarts":
-        meta, flat = read_folder(directory, weights=WEIGHTS, meta_name=META, format_version=FORMAT_VERSION,
-                                 what="LowRAM starts folder", fix="rerun `rkv lowram-init`", error=ConfigError)
-        if model is not None and meta.get("kv_digest") != kv_digest(model):
+        """The folder's starts, read (and their sha256 checked) once while its files stay as they are:
+        every cache that starts from them shares the tensors (callers must not write into them)."""
+        folder = Path(directory)
+        try:
+            key = (str(folder.resolve()),) + tuple((f.stat().st_mtime_ns, f.stat().st_size)
+                                                   for f in (folder / WEIGHTS, folder / META))
+        except OSError:
+            key = None  # read_folder says what is missing
+        starts = _LOADED.get(key) if key else None
+        if starts is None:
+            meta, flat = read_folder(directory, weights=WEIGHTS, meta_name=META, format_version=FORMAT_VERSION,
+                                     what="LowRAM starts folder", fix="rerun `rkv lowram-init`", error=ConfigError)
+            layers = {kind: [Predictor(*(flat[f"{kind}.{i}.{name}"] for name in Predictor._fields))
+                             for i in range(meta["n_layers"])] for kind in meta["kinds"]}
+            starts = cls(layers, meta | {"path": str(directory)})
+            if key:
+                while len(_LOADED) >= 8:
+                    _LOADED.pop(next(iter(_LOADED)))
+                _LOADED[key] = starts
+        if model is not None and starts.meta.get("kv_digest") != kv_digest(model):
             raise ConfigError(f"invalid starts_path={str(directory)!r}: its predictors were learnt on "
-                              f"{meta.get('backbone') or 'another model'}'s K/V projections, not this model's; run "
-                              "`rkv lowram-init --backbone ...` for this model")
-        layers = {kind: [Predictor(*(flat[f"{kind}.{i}.{name}"] for name in Predictor._fields))
-                         for i in range(meta["n_layers"])] for kind in meta["kinds"]}
-        return cls(layers, meta | {"path": str(directory)})
+                              f"{starts.meta.get('backbone') or 'another model'}'s K/V projections, not this model's; "
+                              "run `rkv lowram-init --backbone ...` for this model")
+        return starts
 
     @classmethod
     def resolve(cls, path: str | None, model) -> "PredictorStarts":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -52,20 +52,27 @@ def slim_init(k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, n_kv: int, head_
     return w_lin.float(), (bias(v_proj) - bias(k_proj) @ w_lin).float()
 
 
-_SLIM: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def per_model(model: torch.nn.Module, name: str, compute: Callable[[], Any]) -> Any:
+    """`compute()` once per model (and name) while its K/V projections stay the same: what LowRAM derives
+    from those weights is shared by all the model's caches instead of rebuilt per cache. Computed again
+    when a projection's weights are replaced or edited in place."""
+    attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
+    params = [t for a in attn for proj in (a.k_proj, a.v_proj) for t in (proj.weight, proj.bias) if t is not None]
+    version = tuple((id(t), t.data_ptr(), t._version) for t in params)
+    memo = _PER_MODEL.setdefault(model, {})
+    if name not in memo or memo[name][0] != version:
+        memo[name] = (version, compute())
+    return memo[name][1]
 
 
 def slim_starts(model: torch.nn.Module, n_kv: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`slim_init` of every layer of `model`, computed once and shared by all its caches: constants of the
-    weights, as a codec's are, so a cache per request holds none of them (callers must not write into
-    them). Computed again when a projection's weights change (replaced or edited in place)."""
+    """`slim_init` of every layer of `model`, shared by all its caches (callers must not write into them)."""
     attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
-    weights = [p for a in attn for p in (a.k_proj.weight, a.v_proj.weight)]
-    version = tuple((id(p), p.data_ptr(), p._version) for p in weights)
-    hit = _SLIM.get(model)
-    if hit is None or hit[0] != version:
-        hit = _SLIM[model] = (version, [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn])
-    return hit[1]
+    return per_model(model, f"slim:{n_kv}x{head_dim}",
+                     lambda: [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn])
 
 
 def slim_start(w_lin: torch.Tensor, b2: torch.Tensor, hidden: int, generator: torch.Generator | None = None) -> Predictor:
