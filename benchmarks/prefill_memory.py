@@ -40,27 +40,18 @@ from residualkv.backbones import load_backbone  # noqa: E402
 from residualkv.cli import base_config, context_ids  # noqa: E402
 from residualkv.memory import cache_memory, prefill  # noqa: E402
 from residualkv.methods import build_cache, get_method  # noqa: E402
-from decode_speed import get_codec  # noqa: E402
+from decode_speed import decode_steps, get_codec  # noqa: E402
 from trees import describe  # noqa: E402
 
 METHODS = "full,kivi4,snapkv,residualkv-standalone,residualkv"
 MIB = 2**20
 
 
-@torch.no_grad()
-def _step(model, cache, token) -> torch.Tensor:
-    return model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-
 def timed(model, cache, ids, steps: int, chunk: int | None) -> dict:
     t0 = time.perf_counter()
     token = prefill(model, cache, ids, chunk)
     prefill_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps + 1):  # the first step warms up
-        t0 = time.perf_counter()
-        token = _step(model, cache, token)
-        times.append(time.perf_counter() - t0)
+    times, _ = decode_steps(model, cache, token, steps + 1)  # the first step warms up
     return {"prefill_s": prefill_s, "step_s": statistics.median(times[1:])}
 
 

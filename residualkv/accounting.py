@@ -205,8 +205,7 @@ def _report_dynamic(cache: DynamicCache) -> dict[str, Any]:
     # The baseline is defined as the FP16 full cache, whatever dtype this run computes in.
     numel = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized)
     fp16 = numel * 2
-    held = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-               for layer in cache.layers if layer.is_initialized)
+    held = sum(nbytes_of(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized)
     return {"kr_measured": 1.0, "kr_formula": 1.0, "cr": 1.0, "cr_per_layer": [1.0] * len(cache.layers),
             "bytes": {"kv_fp16": fp16}, "total_bytes": fp16, "held_bytes": held, "fp16_bytes": fp16, "gap": {},
             "unexplained": 0.0}

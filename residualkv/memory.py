@@ -30,14 +30,6 @@ class TensorMemory:
     peak_bytes: int = 0  # most bytes live at once, above the level at the start of the block
     held_bytes: int = 0  # bytes allocated inside the block and still live at its end
 
-    @property
-    def peak_mib(self) -> float:
-        return self.peak_bytes / 2**20
-
-    @property
-    def held_mib(self) -> float:
-        return self.held_bytes / 2**20
-
 
 @contextmanager
 def traced(device: str | torch.device = "cpu") -> Iterator[TensorMemory]:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .stores import nbytes_of
+
 _HOOK_FLAG = "_rkv_snapkv_hooks"
 
 
@@ -215,7 +217,7 @@ def snapkv_report(cache: SnapKVCache) -> dict[str, Any]:
     return {"kr_measured": kr, "kr_formula": formula, "cr": sum(per_layer) / len(per_layer) if per_layer else 1.0,
             "cr_per_layer": per_layer, "cr_scope": "decode steps (one new token per row); prefill attends densely",
             "bytes": {"kept_kv_fp16": kept}, "total_bytes": kept, "fp16_bytes": fp16,
-            "held_bytes": sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values)),
+            "held_bytes": sum(nbytes_of(layer.keys, layer.values) for layer in layers),
             "gap": {}, "unexplained": kr - formula,
             "inputs": {"window": cache.window, "ratio": cache.ratio, "budget": cache.budget,
                        "kernel_size": cache.kernel_size}}
