@@ -64,51 +64,41 @@ def _kivi_attn_kernel(q_ptr, kc_ptr, kmin_ptr, ksc_ptr, vc_ptr, vmin_ptr, vsc_pt
     l_i = tl.zeros([QP], tl.float32)
     acc = tl.zeros([QP, DP], tl.float32)
 
-    g_lo = split * blocks_per_split
-    g_hi = tl.minimum(g_lo + blocks_per_split, G)  # the window split starts past G: no quantised groups
-    for g in range(g_lo, g_hi):
-        # keys: tile [D, KG] of group g, channel-major (per-channel min/scale)
-        # s_*: elements between consecutive (b, h) in each tensor (the stores keep spare capacity)
-        kb = tl.load(kc_ptr + bh * s_kc + (g * D + d[:, None]) * NBK + t[None, :] // PER_BYTE, mask=dmask[:, None],
-                     other=0)
-        kq = (kb.to(tl.int32) >> ((t[None, :] % PER_BYTE) * BITS)) & LEVELS
-        kmn = tl.load(kmin_ptr + bh * s_km + g * D + d, mask=dmask, other=0.0).to(tl.float32)
-        ksc = tl.load(ksc_ptr + bh * s_km + g * D + d, mask=dmask, other=0.0).to(tl.float32)
-        kt = (kq.to(tl.float32) * ksc[:, None] + kmn[:, None]).to(q.dtype)
-        # values: tile [KG, D], per-token groups along D
-        tok = g * KG + t
-        vb = tl.load(vc_ptr + bh * s_vc + tok[:, None] * NBV + d[None, :] // PER_BYTE, mask=dmask[None, :], other=0)
-        vq = (vb.to(tl.int32) >> ((d[None, :] % PER_BYTE) * BITS)) & LEVELS
-        vmn = tl.load(vmin_ptr + bh * s_vm + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :],
-                      other=0.0).to(tl.float32)
-        vsc = tl.load(vsc_ptr + bh * s_vm + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :],
-                      other=0.0).to(tl.float32)
-        vt = (vq.to(tl.float32) * vsc + vmn).to(q.dtype)
-
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+    # one pass over this split's blocks of KG tokens: its quantised key groups, then (last split only) the
+    # FP16 window, whose final block is masked at W; the window split's g_lo clamps to G (no groups)
+    g_lo = tl.minimum(split * blocks_per_split, G)
+    g_hi = tl.minimum(g_lo + blocks_per_split, G)
+    n_win = tl.where(split == n_split - 1, tl.cdiv(W, KG), 0)
+    for blk in range(g_lo, g_hi + n_win):
+        if blk < g_hi:
+            # keys: tile [D, KG] of group blk, channel-major (per-channel min/scale)
+            # s_*: elements between consecutive (b, h) in each tensor (the stores keep spare capacity)
+            kb = tl.load(kc_ptr + bh * s_kc + (blk * D + d[:, None]) * NBK + t[None, :] // PER_BYTE,
+                         mask=dmask[:, None], other=0)
+            kq = (kb.to(tl.int32) >> ((t[None, :] % PER_BYTE) * BITS)) & LEVELS
+            kmn = tl.load(kmin_ptr + bh * s_km + blk * D + d, mask=dmask, other=0.0).to(tl.float32)
+            ksc = tl.load(ksc_ptr + bh * s_km + blk * D + d, mask=dmask, other=0.0).to(tl.float32)
+            kt = (kq.to(tl.float32) * ksc[:, None] + kmn[:, None]).to(q.dtype)
+            # values: tile [KG, D], per-token groups along D
+            tok = blk * KG + t
+            vb = tl.load(vc_ptr + bh * s_vc + tok[:, None] * NBV + d[None, :] // PER_BYTE, mask=dmask[None, :],
+                         other=0)
+            vq = (vb.to(tl.int32) >> ((d[None, :] % PER_BYTE) * BITS)) & LEVELS
+            vmn = tl.load(vmin_ptr + bh * s_vm + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :],
+                          other=0.0).to(tl.float32)
+            vsc = tl.load(vsc_ptr + bh * s_vm + tok[:, None] * NVG + d[None, :] // VG, mask=dmask[None, :],
+                          other=0.0).to(tl.float32)
+            vt = (vq.to(tl.float32) * vsc + vmn).to(q.dtype)
+            tmask = t < KG
         else:
-            s = tl.dot(q, kt) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vt, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vt)
-        m_i = m_new
+            tw = (blk - g_hi) * KG + t
+            tmask = tw < W
+            wrow = bh * W + tw
+            kt = tl.load(wk_ptr + wrow[None, :] * D + d[:, None], mask=dmask[:, None] & tmask[None, :],
+                         other=0.0).to(q.dtype)
+            vt = tl.load(wv_ptr + wrow[:, None] * D + d[None, :], mask=tmask[:, None] & dmask[None, :],
+                         other=0.0).to(q.dtype)
 
-    # the FP16 window: only the last split, in blocks of KG tokens, masked at its end
-    w_hi = tl.where(split == n_split - 1, W, 0)
-    for w0 in range(0, w_hi, KG):
-        tw = w0 + t
-        tmask = tw < W
-        wrow = bh * W + tw
-        kt = tl.load(wk_ptr + wrow[None, :] * D + d[:, None], mask=dmask[:, None] & tmask[None, :], other=0.0)
-        vt = tl.load(wv_ptr + wrow[:, None] * D + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
-        kt = kt.to(q.dtype)
-        vt = vt.to(q.dtype)
         if IEEE:
             s = tl.dot(q, kt, input_precision="ieee") * qk_scale
         else:
