@@ -551,3 +551,44 @@ def test_same_bits_digests_every_stored_byte_and_its_compare_names_what_differs(
     (tmp_path / "d.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="prompt_len"):
         sb.compare(str(tmp_path / "a.json"), str(tmp_path / "d.json"))
+
+
+def test_codec_micro_counts_the_bytes_a_read_decodes_and_a_write_stores(monkeypatch):
+    """benchmarks/codec_micro.py's bandwidth rows: the bytes a full read decoded (from the store's counters)
+    are exactly the bytes the store holds; a selective read counts its codes' rows and each reference it
+    read once; an encode row writes exactly the stored bytes its tokens added."""
+    import importlib.util
+    from pathlib import Path
+
+    from residualkv.codec import LayerCodec
+    from residualkv.config import CodecDims
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("codec_micro", bench / "codec_micro.py")
+    cm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cm)
+
+    cfg = ResidualKVConfig(stride=4, n_sink=2)
+    codec = LayerCodec(CodecDims(64, 32, 48)).requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    roofs = {"copy_GBps": 10.0, "gemm_fp32_GFLOPs": 10.0}
+    with torch.inference_mode():
+        store = cm.filled_store(codec, cfg, 100, gen)
+        r = cm.read_row("all", store, None, roofs, iters=1)
+        assert r["codes_decoded"] + r["refs_decoded"] == r["tokens"] == 100
+        assert r["bytes_read"] == cm.stored_bytes(store) + codec.w_d.weight.numel() * 4
+        assert r["bytes_written"] == 100 * 64 * 4
+        pick = torch.tensor([[0, 5, 6, 7, 99]])  # references 0 and 6 (and those the codes name), codes 5, 7, 99
+        r = cm.read_row("some", store, pick, roofs, iters=1)
+        assert r["codes_decoded"] == 3 and 2 <= r["refs_decoded"] <= 2 + 3 * cfg.k
+        per_code = sum(t[0, 0].numel() * t.element_size() for t in (*store.codes, store.ref_idx))
+        assert r["bytes_read"] == (3 * per_code + r["refs_decoded"] * store.refs.shape[-1]
+                                   + codec.w_d.weight.numel() * 4)
+        r = cm.encode_row("encode", store, 16, gen, roofs, iters=1)
+        is_ref = store.schedule.is_ref(100, 116)
+        assert r["coded_tokens"] == int((~is_ref).sum())
+        grown = cm.filled_store(codec, cfg, 100, torch.Generator().manual_seed(0))
+        before = cm.stored_bytes(grown)
+        grown.write(torch.randn(1, 16, 64))
+        assert r["bytes_written"] == cm.stored_bytes(grown) - before + 16 * 64 * 4
