@@ -126,12 +126,13 @@ def evaluate_codec(backbone_ref: str, codec_dir: str | None, config: dict[str, A
 def _decode_run(model, cache, ids, n_new: int) -> tuple[float, list[float]]:
     import torch
 
+    from residualkv.memory import prefill as run_prefill
+
     n = ids.shape[1]
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = run_prefill(model, cache, ids)
         prefill = time.perf_counter() - t0
-        nxt = out.logits[:, -1:].argmax(-1)
         steps = []
         for i in range(n_new):
             t0 = time.perf_counter()
