@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from residualkv.config import InputError
+
 
 def register(subparsers) -> None:
     r = subparsers.add_parser("run", help="the whole pipeline: train, validate, benchmark, register (Prefect + MLflow)")
@@ -47,8 +49,10 @@ def register(subparsers) -> None:
 def cmd_run(args) -> int:
     import json
 
+    from .profiles import load_profile
     from .retrain import run_profile
 
+    load_profile(args.profile)  # a bad profile fails here, before Prefect starts its temporary server
     code, summary = run_profile(args.profile)
     if args.json and summary is not None:
         with open(args.json, "w") as f:
@@ -104,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.cli", description=__doc__.split("\n\n")[0])
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except InputError as error:  # as `rkv` does: the message names the input and the fix
+        print(f"{args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from residualkv.config import InputError
 from residualkv.paths import configs_dir
 from residualkv.training.trainer import TrainConfig
 
@@ -45,7 +46,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-class ProfileError(ValueError):
+class ProfileError(InputError):
     """A pipeline profile is malformed; the message names the file, the key and the fix."""
 
 

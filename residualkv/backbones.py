@@ -25,11 +25,17 @@ from typing import Any
 import torch
 import yaml
 
+from .config import InputError
 from .paths import configs_dir, data_dir
 
 _KEYS = ("name", "hf_id", "source", "config_only", "architecture", "full_attention_layers", "codec", "notes")
 _ARCH_KEYS = ("num_layers", "num_kv_heads", "head_dim")
 _SOURCE_KINDS = ("hub", "pypi-gguf")
+
+
+class BackboneError(OSError, InputError):
+    """A backbone cannot be loaded as asked (unknown name, unreachable checkpoint, a shape its YAML does not
+    describe); an OSError for callers that catch loading failures, an InputError for the command line."""
 
 
 @dataclass(frozen=True)
@@ -258,7 +264,7 @@ def check_architecture(spec: BackboneSpec, config: Any) -> None:
     actual = _architecture(config)
     for field, expected in spec.architecture.items():
         if actual[field] != expected:
-            raise ValueError(
+            raise BackboneError(
                 f"{spec.name}: architecture.{field} is {expected} in {spec.path}, but the loaded "
                 f"checkpoint has {actual[field]}. Load the checkpoint this YAML describes, or fix "
                 "architecture (and the codec sizes derived from it) in the YAML."
@@ -272,7 +278,7 @@ def _resolve(name_or_path: str | Path) -> tuple[BackboneSpec | None, str]:
     if is_yaml or text in _registered():
         spec = get_backbone(text)
         if spec.config_only:
-            raise ValueError(
+            raise BackboneError(
                 f"{spec.name} is config_only (a multimodal model kept for its Table I settings); "
                 "load its language model yourself and pass that folder instead"
             )
@@ -297,8 +303,12 @@ def load_backbone(
     spec, location = _resolve(name_or_path)
     try:
         config = AutoConfig.from_pretrained(location)
-    except OSError as error:
-        raise OSError(
+    except (OSError, ValueError) as error:
+        if Path(location).is_dir():
+            raise BackboneError(f"cannot load {location!r}: the folder holds no Hugging Face checkpoint (a "
+                                "config.json with a model_type, and its weights); pass a checkpoint folder, a "
+                                "registered name (python -m residualkv.backbones list) or a hub id") from error
+        raise BackboneError(
             f"cannot load {location!r}: it is not a local folder and the Hugging Face hub did not serve it "
             "(offline, gated, or a typo). Offline, use 'smollm2-135m' or a local checkpoint folder."
         ) from error

@@ -17,8 +17,8 @@ import torch
 
 from . import accounting
 from .backbones import load_backbone
-from .codec import CodecError, ResidualCodec
-from .config import ConfigError, ResidualKVConfig, load_codec_defaults
+from .codec import ResidualCodec
+from .config import InputError, ResidualKVConfig, load_codec_defaults
 from .methods import METHODS, build_cache, get_method
 from .paths import data_dir
 
@@ -197,6 +197,19 @@ def cmd_lowram_init(args) -> int:
     return 0
 
 
+def at_least(minimum: int, what: str):
+    """argparse type: an integer >= minimum, else a usage error that says what the number counts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer number of {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"needs at least {minimum} {what}, got {value}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rkv", description="ResidualKV: learned KV-cache compression for HF LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -204,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("accounting", help="measured KR/CR of a method at a context length")
     a.add_argument("--backbone", default="smollm2-135m")
     a.add_argument("--method", default="residualkv", type=method_name, help="a method of `rkv eval`, variants included")
-    a.add_argument("--context-len", type=int, default=4096)
-    a.add_argument("--batch", type=int, default=1)
-    a.add_argument("--decode-steps", type=int, default=8, help="greedy tokens decoded after the prefill (CR is measured on them)")
+    a.add_argument("--context-len", type=at_least(16, "tokens"), default=4096)
+    a.add_argument("--batch", type=at_least(1, "rows"), default=1)
+    a.add_argument("--decode-steps", type=at_least(0, "steps"), default=8, help="greedy tokens decoded after the prefill (CR is measured on them)")
     a.add_argument("--codec", default=None, help="codec directory or models:/NAME@ALIAS (default: latest trained)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_accounting)
@@ -216,14 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backbone", default="smollm2-135m")
     g.add_argument("--method", default="residualkv", type=method_name, help="a method of `rkv eval`, variants included")
     g.add_argument("--codec", default=None)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=at_least(1, "tokens"), default=64)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="load SmolLM2 offline, generate with the compressed cache, print measured KR")
     d.add_argument("--backbone", default="smollm2-135m")
     d.add_argument("--codec", default=None)
     d.add_argument("--prompt", default="Explain in two sentences what a key-value cache is in a transformer.")
-    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--max-new-tokens", type=at_least(1, "tokens"), default=48)
     d.set_defaults(func=cmd_demo)
 
     li = sub.add_parser("lowram-init", help="learn LowRAM's predictor starts for a backbone (warm start + FOMAML "
@@ -263,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CodecError, ConfigError) as error:  # the message names the field and the fix: no traceback
+    except InputError as error:  # bad input (config, codec, backbone, task file, profile...): the message names it and the fix
         print(f"rkv {args.command}: {error}", file=sys.stderr)
         return 2
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import CodecDims, ResidualKVConfig
+from .config import CodecDims, InputError, ResidualKVConfig
 from .saved import read_folder, save_folder
 
 FORMAT_VERSION = 1
@@ -30,7 +30,7 @@ WEIGHTS = "codec.safetensors"
 META = "codec.json"
 
 
-class CodecError(ValueError):
+class CodecError(InputError):
     """A codec cannot be loaded or does not fit the model it is attached to."""
 
 

@@ -19,7 +19,13 @@ NEW_KV = ("exact", "reconstructed")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input from whoever called: a setting, a file, a name. The message names it and the fix, so the
+    command line prints the message alone (`rkv` exits 2), without a traceback. Each area raises its own
+    subclass (ConfigError, CodecError, TrainError, DataError, ...)."""
+
+
+class ConfigError(InputError):
     """A configuration value is invalid; the message names the field and how to fix it."""
 
 
@@ -268,4 +274,5 @@ def load_codec_defaults(spec_codec: dict[str, Any], full_attention_layers: list[
     return ResidualKVConfig(full_attention_layers=tuple(full_attention_layers), **kw)
 
 
-__all__ = ["ConfigError", "ResidualKVConfig", "LowRAMConfig", "CodecDims", "check_group_size", "load_codec_defaults"]
+__all__ = ["InputError", "ConfigError", "ResidualKVConfig", "LowRAMConfig", "CodecDims", "check_group_size",
+           "load_codec_defaults"]

@@ -14,12 +14,14 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from .config import InputError
+
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo", "tkinter"}
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed value) of every non-blank line of a JSONL file; a malformed line raises a
-    ValueError naming the file and line."""
+    ValueError (InputError) naming the file and line."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -27,7 +29,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
             try:
                 yield n, json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{n} is not valid JSON ({error.msg}); write one JSON object per line") from None
+                raise InputError(f"{path}:{n} is not valid JSON ({error.msg}); write one JSON object per line") from None
 
 
 def offline_documents(min_chars: int = 2000) -> Iterator[tuple[str, str]]:

@@ -13,7 +13,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..config import InputError
+
 DEFAULT_MAX_NEW_TOKENS = 32
+
+
+class TaskFileError(InputError):
+    """A task file or one of its rows cannot be used; the message names the file, the line and the fix."""
 METRICS = ("all", "any")
 
 
@@ -35,9 +41,9 @@ class Sample:
             self.answers = [self.answers]
         self.answers = [str(a) for a in self.answers]
         if self.metric not in METRICS:
-            raise ValueError(f"sample {self.id}: metric {self.metric!r} is not one of {METRICS}")
+            raise TaskFileError(f"sample {self.id}: metric {self.metric!r} is not one of {METRICS}")
         if int(self.max_new_tokens) < 1:
-            raise ValueError(f"sample {self.id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise TaskFileError(f"sample {self.id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.max_new_tokens = int(self.max_new_tokens)
 
     def to_dict(self) -> dict[str, Any]:
@@ -50,14 +56,14 @@ _REQUIRED = ("id", "context", "question", "answers")
 def sample_from_dict(row: dict[str, Any], *, task: str = "jsonl", where: str = "") -> Sample:
     missing = [k for k in _REQUIRED if k not in row]
     if missing:
-        raise ValueError(f"{where}: missing field(s) {missing}; a task row is "
+        raise TaskFileError(f"{where}: missing field(s) {missing}; a task row is "
                          '{"id", "context", "question", "answers"} (+ optional "max_new_tokens", "answer_prefix", '
                          '"metric", "task")')
     answers = row["answers"]
     if isinstance(answers, str):
         answers = [answers]
     if not isinstance(answers, list) or not answers:
-        raise ValueError(f"{where}: answers must be a non-empty list of strings (or one string)")
+        raise TaskFileError(f"{where}: answers must be a non-empty list of strings (or one string)")
     given = row.get("max_new_tokens") is not None
     return Sample(id=str(row["id"]), task=str(row.get("task") or task), context=str(row["context"]),
                   question=str(row["question"]), answers=[str(a) for a in answers],
@@ -70,18 +76,19 @@ def load_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
     """Samples from a JSONL file, one object per line; `task` defaults to the file stem."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no task file at {path}")
+        raise TaskFileError(f"no task file at {path}: give a JSONL file, one object per line with "
+                            '"id", "context", "question" and "answers"')
     from ..data import iter_jsonl
 
     out, seen = [], set()
     for n, row in iter_jsonl(path):
         s = sample_from_dict(row, task=task or path.stem, where=f"{path}:{n}")
         if s.id in seen:
-            raise ValueError(f"{path}:{n}: duplicate id {s.id!r}")
+            raise TaskFileError(f"{path}:{n}: duplicate id {s.id!r}")
         seen.add(s.id)
         out.append(s)
     if not out:
-        raise ValueError(f"{path} holds no samples")
+        raise TaskFileError(f"{path} holds no samples")
     return out
 
 

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable
 
+from ..config import InputError
 from .samples import Sample, encode_prompt
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-class LengthError(ValueError):
+class LengthError(InputError):
     """The requested context length cannot hold the task (or cannot be hit exactly)."""
 
 

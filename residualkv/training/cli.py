@@ -120,6 +120,18 @@ def cmd_train(args) -> int:
     from ..codec import CodecError, ResidualCodec, parse_layer_d_c
     from ..config import ConfigError, check_group_size
 
+    if args.init_from and args.init != "default":
+        raise SystemExit(f"--init {args.init} and --init-from start the codec two ways; pass one of them")
+    # settings are checked before the model loads: a bad one fails in a second, not after the loading
+    config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
+                         grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
+                         reading=args.reading, rec_reduction=args.rec_reduction, rec_weight=args.rec_weight,
+                         init="codec" if args.init_from else args.init, bf16=args.bf16,
+                         warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
+                         fisher_alpha=args.fisher_alpha, value_weight=args.value_weight, recall_spans=args.recall_spans,
+                         recall_span_len=args.recall_span_len, init_from=args.init_from,
+                         grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
+                         ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, spec = load_backbone(args.backbone)
@@ -127,8 +139,6 @@ def cmd_train(args) -> int:
     codec_defaults = spec.codec if spec else {}
     start = None
     if args.init_from:
-        if args.init != "default":
-            raise SystemExit(f"--init {args.init} and --init-from start the codec two ways; pass one of them")
         start = resolve_codec(args.init_from, model, spec)
         try:
             start.check_shape(args.init_from, lambda field: "--" + field.replace("_", "-"),
@@ -137,7 +147,6 @@ def cmd_train(args) -> int:
         except CodecError as error:
             raise SystemExit(str(error)) from None
         codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff}
-        args.init = "codec"
     d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")
     if not d_c or not d_ff:
         raise SystemExit(f"{args.backbone} is not a registered backbone: pass the codec size with --d-c and --d-ff "
@@ -155,15 +164,6 @@ def cmd_train(args) -> int:
     except ConfigError as error:
         raise SystemExit(str(error)) from None
 
-    config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
-                         grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
-                         reading=args.reading,
-                         rec_reduction=args.rec_reduction, rec_weight=args.rec_weight, init=args.init, bf16=args.bf16,
-                         warmstart_steps=args.warmstart_steps, warmstart_blocks=args.warmstart_blocks,
-                         fisher_alpha=args.fisher_alpha, value_weight=args.value_weight, recall_spans=args.recall_spans,
-                         recall_span_len=args.recall_span_len, init_from=args.init_from,
-                         grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
-                         ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
     source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,
                             max_documents=args.max_documents)
     packed = pack_documents(source, tokenizer, args.seq_len)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..config import InputError
 from ..data import is_heldout, offline_documents
 from ..paths import data_dir
 
@@ -34,7 +35,7 @@ DOCS_PER_BATCH = 1000  # documents per `map` batch; at most seq_len-1 tokens are
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """The training data cannot be built; the message names the input and how to fix it."""
 
 

@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
+from ..config import InputError
 from .packing import insert_recalls
 from .warmstart import coding_config
 
@@ -69,7 +70,7 @@ RESUME_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_frac", "we
 EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN = 4, 24
 
 
-class TrainError(ValueError):
+class TrainError(InputError):
     """Training cannot start or continue; the message names the setting and how to fix it."""
 
 

@@ -1,0 +1,57 @@
+"""Bad input on the command line: one line that names the input and the fix, exit status 2, no traceback."""
+
+import json
+
+import pytest
+
+from residualkv.backbones import BackboneError, load_backbone
+from residualkv.cli import main
+
+
+def _fails_cleanly(argv, capsys, *expected):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith(f"rkv {argv[0]}: ")
+    for text in expected:
+        assert text in err, err
+
+
+def test_unknown_profile_is_named_before_any_prefect_server_starts(capsys):
+    _fails_cleanly(["run", "--profile", "no-such-profile"], capsys, "unknown pipeline profile 'no-such-profile'",
+                   "known: ")
+    assert "temporary server" not in capsys.readouterr().err
+
+
+def test_missing_or_malformed_task_files_name_the_file_and_line(tmp_path, capsys):
+    out = str(tmp_path / "eval.json")
+    _fails_cleanly(["eval", "--methods", "full", "--tasks", str(tmp_path / "missing.jsonl"), "--json", out], capsys,
+                   "no task file at", '"id", "context", "question" and "answers"')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "context": "c", "question": "q", "answers": ["x"]}) + "\n"
+                   + json.dumps({"id": "b", "context": "c"}) + "\n")
+    _fails_cleanly(["eval", "--methods", "full", "--tasks", str(bad), "--json", out], capsys,
+                   f"{bad}:2: missing field(s) ['question', 'answers']")
+    bad.write_text("{not json\n")
+    _fails_cleanly(["eval", "--methods", "full", "--tasks", str(bad), "--json", out], capsys,
+                   f"{bad}:1 is not valid JSON")
+
+
+def test_invalid_training_settings_say_the_fix(tmp_path, capsys):
+    _fails_cleanly(["train", "--backbone", "smollm2-135m", "--lr", "-1", "--steps", "1", "--out", str(tmp_path / "c")],
+                   capsys, "invalid lr=-1.0", "positive learning rate")
+
+
+def test_out_of_range_numbers_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["accounting", "--context-len", "0"])
+    assert exit_.value.code == 2
+    assert "argument --context-len: needs at least 16 tokens, got 0" in capsys.readouterr().err
+
+
+def test_a_folder_that_holds_no_checkpoint_is_a_backbone_error(tmp_path, capsys):
+    with pytest.raises(BackboneError) as error:
+        load_backbone(tmp_path)
+    assert isinstance(error.value, OSError)  # callers that catch loading failures still do
+    _fails_cleanly(["accounting", "--backbone", str(tmp_path), "--context-len", "64"], capsys,
+                   f"cannot load {str(tmp_path)!r}")
