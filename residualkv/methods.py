@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from .cache import OmniKVCache, ResidualKVCache
 from .codec import ResidualCodec, model_shape
-from .config import LowRAMConfig, ResidualKVConfig
+from .config import InputError, LowRAMConfig, ResidualKVConfig
 from .lowram import LowRAMCache
 from .snapkv import SnapKVCache
 
@@ -143,7 +143,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+        raise InputError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
     return METHODS[name]
 
 
@@ -158,7 +158,7 @@ def build_cache(name: str, model, codec: ResidualCodec | None = None, base: Resi
     """
     method = get_method(name)
     if method.needs_codec and codec is None:
-        raise ValueError(f"method {name!r} needs a trained codec: train one with `rkv train --backbone ...` "
+        raise InputError(f"method {name!r} needs a trained codec: train one with `rkv train --backbone ...` "
                          "or pass --codec PATH_OR_URI")
     if base is None:
         base = codec.config if codec is not None else ResidualKVConfig()

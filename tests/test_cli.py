@@ -37,6 +37,11 @@ def test_missing_or_malformed_task_files_name_the_file_and_line(tmp_path, capsys
                    f"{bad}:1 is not valid JSON")
 
 
+def test_an_unknown_suite_lists_the_known_ones(tmp_path, capsys):
+    _fails_cleanly(["eval", "--methods", "full", "--suite", "nosuch", "--json", str(tmp_path / "e.json")], capsys,
+                   "unknown suite 'nosuch'", "synthetic", "ppl")
+
+
 def test_invalid_training_settings_say_the_fix(tmp_path, capsys):
     _fails_cleanly(["train", "--backbone", "smollm2-135m", "--lr", "-1", "--steps", "1", "--out", str(tmp_path / "c")],
                    capsys, "invalid lr=-1.0", "positive learning rate")

@@ -172,7 +172,7 @@ def cmd_eval(args) -> int:
 
     from ..backbones import load_backbone
     from ..cli import base_config, latest_codec_path, resolve_codec
-    from .harness import VARIANTS_HELP, evaluate, known_method, method_needs_codec
+    from .harness import VARIANTS_HELP, check_suite, evaluate, known_method, method_needs_codec
     from .report import markdown_table
     from .samples import load_jsonl
 
@@ -187,6 +187,8 @@ def cmd_eval(args) -> int:
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"
     tasks = [t.strip() for t in args.synthetic_tasks.split(",")] if args.synthetic_tasks else None
+    if samples is None:
+        check_suite(suite, tasks)
     if samples is None and lengths is None and (suite.startswith("synthetic") or tasks or suite == "ppl"):
         lengths = [2048]
     if args.threads:

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import accounting
+from ..config import InputError
 from ..snapkv import SnapKVCache, snapkv_report
 from .perplexity import cache_perplexity, heldout_ids
 from .report import REFERENCE
@@ -248,23 +249,36 @@ def truncate_middle(ids: list[int], max_len: int | None) -> list[int]:
 # Inputs
 
 
+def check_suite(suite: str, tasks: Sequence[str] | None = None) -> tuple[str, str | None, str | None] | None:
+    """Fail on an unknown suite or synthetic task name (before anything is loaded); a hub benchmark's
+    (source, subset, repo), else None."""
+    from . import hub, synthetic
+
+    for name in tasks or ():
+        synthetic.get_task(name)
+    if suite == "ppl" or suite in synthetic.SUITES or tasks:
+        return None
+    parsed = hub.parse_suite(suite)
+    if parsed is None:
+        raise InputError(f"unknown suite {suite!r}: use {', '.join(list(synthetic.SUITES) + ['ppl'])}, or "
+                         f"{'|'.join(hub.SOURCES)}[:SUBSET][@OWNER/REPO] for a hub benchmark")
+    return parsed
+
+
 def suite_samples(suite: str, tokenizer, context_len: int | None, n_samples: int, seed: int,
                   tasks: Sequence[str] | None = None) -> list[Sample]:
     """Samples of a named suite: a synthetic suite generated at context_len, 'ppl' (none), or a hub benchmark."""
     from . import hub, synthetic
 
+    hub_suite = check_suite(suite, tasks)
     if suite == "ppl":
         return []
-    if suite in synthetic.SUITES or tasks:
+    if hub_suite is None:
         if context_len is None:
-            raise ValueError("synthetic tasks need a context length")
+            raise InputError("synthetic tasks need a context length")
         names = list(tasks) if tasks else synthetic.suite_tasks(suite)
         return synthetic.SyntheticGenerator(tokenizer, seed).generate(names, context_len, n_samples)
-    parsed = hub.parse_suite(suite)
-    if parsed is None:
-        raise ValueError(f"unknown suite {suite!r}: use {', '.join(list(synthetic.SUITES) + ['ppl'])}, or "
-                         f"{'|'.join(hub.SOURCES)}[:SUBSET][@OWNER/REPO] for a hub benchmark")
-    source, subset, repo = parsed
+    source, subset, repo = hub_suite
     return hub.load_benchmark(source, subset, path=repo, limit=n_samples)
 
 
@@ -319,7 +333,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
             groups.append((L, suite_samples(suite, tokenizer, L, n_samples, seed, tasks)))
     ppl_runs = ppl_tokens > 0
     if ppl_runs and ppl_windows < 1:
-        raise ValueError(f"ppl_windows={ppl_windows}: score at least one window (or set ppl_tokens=0)")
+        raise InputError(f"ppl_windows={ppl_windows}: score at least one window (or set ppl_tokens=0)")
     total = (sum(len(s) for _, s in groups) * len(methods)
              + (len(groups) * len(methods) * ppl_windows if ppl_runs else 0))
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ..config import InputError
 from .samples import DEFAULT_MAX_NEW_TOKENS, Sample
 
 # https://github.com/THUDM/LongBench/blob/main/LongBench/config/dataset2maxlen.json
@@ -103,14 +104,14 @@ def rows_to_samples(rows: Iterable[dict[str, Any]], source: str, subset: str | N
                     limit: int | None = None) -> list[Sample]:
     """Map rows in `source`'s field layout to samples (the function the hub and local loaders share)."""
     if source not in SOURCES:
-        raise ValueError(f"unknown benchmark {source!r}; known: {', '.join(SOURCES)}")
+        raise InputError(f"unknown benchmark {source!r}; known: {', '.join(SOURCES)}")
     mapper = SOURCES[source].mapper
     out: list[Sample] = []
     for i, row in enumerate(rows):
         try:
             out.extend(mapper(dict(row), i, subset))
         except KeyError as e:
-            raise ValueError(f"{source} row {i} lacks field {e.args[0]!r}: is this file in {source}'s layout?") from None
+            raise InputError(f"{source} row {i} lacks field {e.args[0]!r}: is this file in {source}'s layout?") from None
         if limit is not None and len(out) >= limit:
             return out[:limit]
     return out
@@ -122,7 +123,7 @@ def load_benchmark(source: str, subset: str | None = None, *, path: str | None =
     import datasets
 
     if source not in SOURCES:
-        raise ValueError(f"unknown benchmark {source!r}; known: {', '.join(SOURCES)}")
+        raise InputError(f"unknown benchmark {source!r}; known: {', '.join(SOURCES)}")
     spec = SOURCES[source]
     if data_files is not None:
         files = [str(f) for f in data_files] if isinstance(data_files, list) else [str(data_files)]

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from ..config import InputError
+
 
 def heldout_ids(tokenizer, n_total: int, offset: int = 0) -> torch.Tensor:
     """[1, n_total] token ids of the held-out offline corpus (`data.offline_text(heldout=True)`)."""
@@ -24,7 +26,7 @@ def heldout_ids(tokenizer, n_total: int, offset: int = 0) -> torch.Tensor:
         text = offline_text((n_total + offset) * 12, heldout=True)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] < n_total + offset:
-        raise ValueError(f"the held-out corpus has only {ids.shape[1]} tokens; lower --ppl-context/--ppl-tokens")
+        raise InputError(f"the held-out corpus has only {ids.shape[1]} tokens; lower --ppl-context/--ppl-tokens")
     return ids[:, offset : offset + n_total]
 
 

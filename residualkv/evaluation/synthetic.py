@@ -393,11 +393,11 @@ class SyntheticGenerator:
 
 def get_task(name: str) -> TaskConfig:
     if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(TASKS)}")
+        raise InputError(f"unknown synthetic task {name!r}; known: {', '.join(TASKS)}")
     return TASKS[name]
 
 
 def suite_tasks(name: str) -> list[str]:
     if name not in SUITES:
-        raise ValueError(f"unknown synthetic suite {name!r}; known: {', '.join(SUITES)}")
+        raise InputError(f"unknown synthetic suite {name!r}; known: {', '.join(SUITES)}")
     return list(SUITES[name])
