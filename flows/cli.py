@@ -99,6 +99,9 @@ def cmd_bench_regress(args) -> int:
 
 def cmd_deploy(args) -> int:
     from .deploy import deploy_command
+    from .profiles import load_profile
+
+    load_profile(args.profile)  # a bad profile fails here, before a Prefect server is started for it
 
     return deploy_command(args.profile, run_now=args.run_now, run_once=args.run_once, timeout=args.timeout,
                           work_pool=args.work_pool, port=args.port)

@@ -21,6 +21,7 @@ def test_unknown_profile_is_named_before_any_prefect_server_starts(capsys):
     _fails_cleanly(["run", "--profile", "no-such-profile"], capsys, "unknown pipeline profile 'no-such-profile'",
                    "known: ")
     assert "temporary server" not in capsys.readouterr().err
+    _fails_cleanly(["deploy", "--profile", "no-such-profile"], capsys, "unknown pipeline profile")
 
 
 def test_missing_or_malformed_task_files_name_the_file_and_line(tmp_path, capsys):

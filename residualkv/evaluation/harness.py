@@ -67,7 +67,7 @@ VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN
                  "quantises its latents in groups of NN, -sNN places a reference every NN tokens "
                  "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10); on a lowram "
                  "method -fNN fits each context in NN Adam steps (lowram-warm-f25), and on an evicting one (lowram-e, "
-                 "lowram-eq) -kNN keeps NN%% of the prompt (lowram-eq-k25)")
+                 "lowram-eq) -kNN keeps NN% of the prompt (lowram-eq-k25)")
 _RATIO_BASES = ("residualkv", "residualkv-reuse", "omnikv", "residualkv-snapkv")
 
 
