@@ -130,6 +130,11 @@ def load_profile(name_or_path: str | Path) -> Profile:
     train = sections["train"]
     if train["steps"] is None and train["minutes"] is None:
         raise ProfileError(f"{path}: set train.steps (schedule length) or train.minutes (time budget)")
+    try:  # the training settings fail here, not in the training task after the data is packed
+        TrainConfig(seq_len=sections["data"]["seq_len"],
+                    **{f.name: train[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "seq_len"})
+    except InputError as error:
+        raise ProfileError(f"{path}: train: {error}") from None
     if sections["registry"]["method"] not in sections["evaluate"]["methods"]:
         raise ProfileError(f"{path}: registry.method {sections['registry']['method']!r} must be one of "
                            f"evaluate.methods {sections['evaluate']['methods']}")

@@ -8,6 +8,12 @@ from residualkv.backbones import BackboneError, load_backbone
 from residualkv.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _own_data_dir(tmp_path, monkeypatch):
+    """Whatever a command would write (packed data, an MLflow store) goes to the test's folder."""
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "data"))
+
+
 def _fails_cleanly(argv, capsys, *expected):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -22,6 +28,18 @@ def test_unknown_profile_is_named_before_any_prefect_server_starts(capsys):
                    "known: ")
     assert "temporary server" not in capsys.readouterr().err
     _fails_cleanly(["deploy", "--profile", "no-such-profile"], capsys, "unknown pipeline profile")
+
+
+def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_starts(tmp_path, capsys):
+    import yaml
+
+    from residualkv.paths import configs_dir
+
+    profile = yaml.safe_load((configs_dir() / "pipelines" / "smoke.yaml").read_text())
+    profile["train"]["lr"] = -1.0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(profile))
+    _fails_cleanly(["run", "--profile", str(bad)], capsys, f"{bad}: train: invalid lr=-1.0")
 
 
 def test_missing_or_malformed_task_files_name_the_file_and_line(tmp_path, capsys):
