@@ -66,11 +66,19 @@ def test_invalid_training_settings_say_the_fix(tmp_path, capsys):
                    capsys, "invalid lr=-1.0", "positive learning rate")
 
 
-def test_out_of_range_numbers_are_usage_errors(capsys):
+@pytest.mark.parametrize("argv,flag", [
+    (["accounting", "--context-len", "0"], "--context-len: needs at least 16 tokens, got 0"),
+    (["eval", "--methods", "full", "--n-samples", "-1", "--json", "x.json"], "--n-samples: needs at least 1 samples"),
+    (["eval", "--methods", "full", "--threads", "0", "--json", "x.json"], "--threads: needs at least 1 threads"),
+    (["train", "--stride", "0", "--steps", "1"], "--stride: needs at least 1 tokens, got 0"),  # was silently the default
+    (["train", "--d-c", "-5", "--steps", "1"], "--d-c: needs at least 1 dimensions"),
+    (["generate", "hi", "--max-new-tokens", "x"], "--max-new-tokens: expected an integer number of tokens, got 'x'"),
+])
+def test_out_of_range_numbers_are_usage_errors(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["accounting", "--context-len", "0"])
+        main(argv)
     assert exit_.value.code == 2
-    assert "argument --context-len: needs at least 16 tokens, got 0" in capsys.readouterr().err
+    assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_a_folder_that_holds_no_checkpoint_is_a_backbone_error(tmp_path, capsys):

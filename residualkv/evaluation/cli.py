@@ -40,6 +40,7 @@ def _int_list(text: str | None) -> list[int] | None:
 
 
 def register(subparsers) -> None:
+    from ..cli import at_least
     from .harness import VARIANTS_HELP
 
     e = subparsers.add_parser("eval", help="benchmark cache methods side by side (quality vs measured bytes)",
@@ -61,18 +62,18 @@ def register(subparsers) -> None:
                    help="prompt length(s) in tokens, comma-separated (default 2048 for synthetic suites; with --tasks "
                         "or a hub suite, longer prompts are middle-truncated to it)")
     e.add_argument("--json", required=True, metavar="OUT", help="write the result rows here (a JSON list)")
-    e.add_argument("--n-samples", type=int, default=5, help="samples per synthetic task (per hub benchmark: in total)")
+    e.add_argument("--n-samples", type=at_least(1, "samples"), default=5, help="samples per synthetic task (per hub benchmark: in total)")
     e.add_argument("--out-dir", default=None, help="CSV, markdown, plot and predictions (default: next to --json)")
-    e.add_argument("--ppl-context", type=int, default=None, help="perplexity context tokens (default: each context length)")
-    e.add_argument("--ppl-tokens", type=int, default=64, help="continuation tokens scored one by one (0 skips perplexity)")
-    e.add_argument("--ppl-windows", type=int, default=1,
+    e.add_argument("--ppl-context", type=at_least(1, "tokens"), default=None, help="perplexity context tokens (default: each context length)")
+    e.add_argument("--ppl-tokens", type=at_least(0, "tokens"), default=64, help="continuation tokens scored one by one (0 skips perplexity)")
+    e.add_argument("--ppl-windows", type=at_least(1, "windows"), default=1,
                    help="disjoint held-out windows (context + continuation each) pooled into one perplexity")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--full-from", action="append", default=[], metavar="RUN_predictions.jsonl",
                    help="reuse the full cache's answers of an earlier run on the same backbone (its predictions "
                         "file; repeatable): samples it holds at the same seed, length and budget are not generated "
                         "again, the rest run as usual")
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    e.add_argument("--threads", type=at_least(1, "threads"), default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--no-answer-nll", action="store_true",
                    help="skip scoring each sample's gold answer teacher-forced through every cache (answer_nll)")

@@ -23,6 +23,8 @@ from .trainer import CHECKPOINTS, INITS, LOSSES, READINGS, REC_REDUCTIONS, Train
 
 
 def register(subparsers) -> None:
+    from ..cli import at_least
+
     t = subparsers.add_parser("train", help="train a ResidualKV codec on a frozen backbone",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--backbone", default="smollm2-135m", help="registered name, backbone YAML, local folder or HF id")
@@ -30,7 +32,7 @@ def register(subparsers) -> None:
     t.add_argument("--text-field", default="text", help="text column of JSONL rows / hub datasets")
     t.add_argument("--data-config", default=None, help="hub dataset config name")
     t.add_argument("--data-split", default="train", help="hub dataset split")
-    t.add_argument("--max-documents", type=int, default=None, help="use only the first N hub documents")
+    t.add_argument("--max-documents", type=at_least(1, "documents"), default=None, help="use only the first N hub documents")
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the LR schedule length)")
     t.add_argument("--minutes", type=float, default=None,
@@ -59,15 +61,15 @@ def register(subparsers) -> None:
                         "(retrieval leans on values more than the next-token Fisher says; BENCHMARKS.md)")
     t.add_argument("--warmstart-blocks", type=int, default=32)
     t.add_argument("--bits", type=int, default=None, help="latent bits while training (default: the backbone's, 4)")
-    t.add_argument("--group-size", type=int, default=None,
+    t.add_argument("--group-size", type=at_least(1, "coordinates"), default=None,
                    help="latent coordinates per quantisation group, one FP16 min and scale each (default: the "
                         "backbone's, 32); must divide d_c. Saved with the codec, which is served with it")
-    t.add_argument("--d-c", type=int, default=None, help="latent size (default: the backbone YAML's)")
+    t.add_argument("--d-c", type=at_least(1, "dimensions"), default=None, help="latent size (default: the backbone YAML's)")
     t.add_argument("--layer-d-c", action="append", default=[], metavar="LAYERS=D_C",
                    help="another latent size for some coded layers, e.g. 3-11=224 (repeatable; ranges skip "
                         "full-attention layers); the others keep --d-c, and KR follows the mean")
-    t.add_argument("--d-ff", type=int, default=None, help="SwiGLU width (default: the backbone YAML's)")
-    t.add_argument("--stride", type=int, default=None,
+    t.add_argument("--d-ff", type=at_least(1, "dimensions"), default=None, help="SwiGLU width (default: the backbone YAML's)")
+    t.add_argument("--stride", type=at_least(1, "tokens"), default=None,
                    help="reference stride (default: the backbone YAML's); saved with the codec, which is always "
                         "served with the stride it was trained for")
     t.add_argument("--init-from", default=None, metavar="CODEC_DIR",
@@ -84,7 +86,7 @@ def register(subparsers) -> None:
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored at the end")
-    t.add_argument("--threads", type=int, default=None,
+    t.add_argument("--threads", type=at_least(1, "threads"), default=None,
                    help="torch CPU threads (default: torch's choice; 1 can be faster on a busy machine)")
     t.add_argument("--restart", action="store_true", help="delete this run's checkpoints instead of resuming")
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
