@@ -168,6 +168,7 @@ def cmd_lowram_init(args) -> int:
     from .lowram.starts import starts_root
     from .training.packing import pack_documents, resolve_source
 
+    config = LowRAMConfig(ratio=args.ratio)  # checked before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, spec = load_backbone(args.backbone)
@@ -185,7 +186,7 @@ def cmd_lowram_init(args) -> int:
         f"L{args.seq_len}-n{args.contexts}-r{args.ratio:g}-w{args.warm_steps}-m{args.meta_steps}-k{args.inner_steps}-s{args.seed}")
     # rerunning the same command after a crash continues from here
     checkpoint = out.with_name(f".{out.name}.checkpoint.pt")
-    starts = learn_starts(model, train_ids, heldout_ids, LowRAMConfig(ratio=args.ratio), warm_steps=args.warm_steps,
+    starts = learn_starts(model, train_ids, heldout_ids, config, warm_steps=args.warm_steps,
                           meta_steps=args.meta_steps, inner_steps=args.inner_steps, accumulate=args.accumulate,
                           outer_lr=args.outer_lr, eval_steps=tuple(args.eval_steps), seed=args.seed, backbone=name,
                           checkpoint=checkpoint)
@@ -244,19 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("--backbone", default="smollm2-135m")
     li.add_argument("--data", default="offline", help="'offline' (default), a folder/file of .txt/.jsonl, or a datasets name")
     li.add_argument("--text-field", default="text", help="text column of JSONL rows / hub datasets")
-    li.add_argument("--contexts", type=int, default=16, help="training contexts (blocks of the training split)")
-    li.add_argument("--heldout", type=int, default=4, help="held-out contexts the fit errors are measured on")
-    li.add_argument("--seq-len", type=int, default=2048, help="tokens per context")
+    li.add_argument("--contexts", type=at_least(1, "contexts"), default=16, help="training contexts (blocks of the training split)")
+    li.add_argument("--heldout", type=at_least(1, "contexts"), default=4, help="held-out contexts the fit errors are measured on")
+    li.add_argument("--seq-len", type=at_least(16, "tokens"), default=2048, help="tokens per context")
     li.add_argument("--ratio", type=float, default=4.0, help="LowRAM ratio whose xKV keys the predictors read")
-    li.add_argument("--warm-steps", type=int, default=25, help="Adam steps of the warm start on the pooled contexts (seed: 25)")
-    li.add_argument("--meta-steps", type=int, default=50, help="FOMAML outer steps")
-    li.add_argument("--inner-steps", type=int, default=2, help="online Adam steps the meta-init is learnt for (seed: 2)")
-    li.add_argument("--accumulate", type=int, default=8, help="contexts per outer step (seed: 8)")
+    li.add_argument("--warm-steps", type=at_least(0, "steps"), default=25, help="Adam steps of the warm start on the pooled contexts (seed: 25)")
+    li.add_argument("--meta-steps", type=at_least(0, "steps"), default=50, help="FOMAML outer steps")
+    li.add_argument("--inner-steps", type=at_least(1, "steps"), default=2, help="online Adam steps the meta-init is learnt for (seed: 2)")
+    li.add_argument("--accumulate", type=at_least(1, "contexts"), default=8, help="contexts per outer step (seed: 8)")
     li.add_argument("--outer-lr", type=float, default=3e-4, help="outer AdamW learning rate (seed: 3e-4)")
     li.add_argument("--eval-steps", type=lambda t: [int(x) for x in t.split(",")], default=[0, 2],
                     help="online step counts whose held-out error is measured from each start, e.g. 0,2,150")
     li.add_argument("--seed", type=int, default=0)
-    li.add_argument("--threads", type=int, default=None)
+    li.add_argument("--threads", type=at_least(1, "threads"), default=None)
     li.add_argument("--out", default=None, help="folder to save to (default: <data dir>/lowram/<backbone>/<settings>)")
     li.add_argument("--json", action="store_true", help="print the path, held-out errors and timings as JSON")
     li.set_defaults(func=cmd_lowram_init)
