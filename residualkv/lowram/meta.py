@@ -30,7 +30,8 @@ from ..config import LowRAMConfig
 from ..rope import RopeTable, invert_rope
 from .cache import factorise_keys, group_generator, stored_keys
 from .starts import PredictorStarts, kv_digest
-from .values import Predictor, fit_loss, fit_predictor, slim_init, slim_start
+from .values import Predictor, fit_loss, fit_predictor, slim_start
+from .values import slim_starts as shared_slim_maps  # meta.slim_starts below stacks them into one start
 
 
 @torch.no_grad()
@@ -61,8 +62,8 @@ def slim_starts(model, config: LowRAMConfig, generator: torch.Generator) -> Pred
     """Every layer's Slim start stacked [L·H, ...] (the online fit's start without learnt starts)."""
     n_layers, H, D = model_shape(model.config)
     hidden = max(1, round(config.hidden_factor * D))
-    per_layer = [slim_start(*slim_init(layer.self_attn.k_proj, layer.self_attn.v_proj, H, D), hidden, generator)
-                 for layer in getattr(model, "model", model).layers]
+    # torch.cat below copies the shared maps: they are never written
+    per_layer = [slim_start(w_lin, b2, hidden, generator) for w_lin, b2 in shared_slim_maps(model, H, D)]
     return Predictor(*(torch.cat(ts) for ts in zip(*per_layer)))
 
 

@@ -21,7 +21,7 @@ import torch
 from ..config import ConfigError
 from ..paths import data_dir
 from ..saved import read_folder, save_folder
-from .values import Predictor, per_model
+from .values import Predictor, kv_projections, per_model
 
 WEIGHTS, META = "starts.safetensors", "starts.json"
 FORMAT_VERSION = 1
@@ -36,8 +36,8 @@ def kv_digest(model) -> str:
 
 def _kv_digest(model) -> str:
     h = hashlib.sha256()
-    for layer in getattr(model, "model", model).layers:
-        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+    for pair in kv_projections(model):
+        for proj in pair:
             for t in (proj.weight, proj.bias):
                 if t is not None:
                     t = t.detach().float().contiguous().cpu()

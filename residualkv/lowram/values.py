@@ -55,12 +55,16 @@ def slim_init(k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, n_kv: int, head_
 _PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple]]" = weakref.WeakKeyDictionary()
 
 
+def kv_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:
+    """(k_proj, v_proj) of every layer: what LowRAM's predictor starts are derived from."""
+    return [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in getattr(model, "model", model).layers]
+
+
 def per_model(model: torch.nn.Module, name: str, compute: Callable[[], Any]) -> Any:
     """`compute()` once per model (and name) while its K/V projections stay the same: what LowRAM derives
     from those weights is shared by all the model's caches instead of rebuilt per cache. Computed again
     when a projection's weights are replaced or edited in place."""
-    attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
-    params = [t for a in attn for proj in (a.k_proj, a.v_proj) for t in (proj.weight, proj.bias) if t is not None]
+    params = [t for pair in kv_projections(model) for proj in pair for t in (proj.weight, proj.bias) if t is not None]
     version = tuple((id(t), t.data_ptr(), t._version) for t in params)
     memo = _PER_MODEL.setdefault(model, {})
     if name not in memo or memo[name][0] != version:
@@ -70,9 +74,8 @@ def per_model(model: torch.nn.Module, name: str, compute: Callable[[], Any]) -> 
 
 def slim_starts(model: torch.nn.Module, n_kv: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`slim_init` of every layer of `model`, shared by all its caches (callers must not write into them)."""
-    attn = [layer.self_attn for layer in getattr(model, "model", model).layers]
     return per_model(model, f"slim:{n_kv}x{head_dim}",
-                     lambda: [slim_init(a.k_proj, a.v_proj, n_kv, head_dim) for a in attn])
+                     lambda: [slim_init(k, v, n_kv, head_dim) for k, v in kv_projections(model)])
 
 
 def slim_start(w_lin: torch.Tensor, b2: torch.Tensor, hidden: int, generator: torch.Generator | None = None) -> Predictor:
