@@ -17,7 +17,7 @@ import torch
 
 from . import accounting
 from .backbones import load_backbone
-from .codec import ResidualCodec
+from .codec import CodecError, ResidualCodec
 from .config import InputError, ResidualKVConfig, load_codec_defaults
 from .methods import METHODS, build_cache, get_method
 from .paths import data_dir
@@ -52,7 +52,7 @@ def resolve_codec(ref: str | None, model, spec, *, required: bool = True) -> Res
     if path is None:
         if required:
             name = spec.name if spec else "<backbone>"
-            raise SystemExit(f"no trained codec for {name}: train one with `rkv train --backbone {name}` "
+            raise CodecError(f"no trained codec for {name}: train one with `rkv train --backbone {name}` "
                              "or pass --codec PATH_OR_URI")
         return None
     return ResidualCodec.load(path, model_config=model.config)
@@ -68,7 +68,7 @@ def context_ids(tokenizer, n_tokens: int, batch: int = 1) -> torch.Tensor:
 
     ids = tokenizer(offline_text(n_tokens * 8), return_tensors="pt").input_ids[:, : n_tokens * batch]
     if ids.shape[1] < n_tokens * batch:
-        raise SystemExit(f"the offline corpus gave only {ids.shape[1]} tokens; ask for a shorter --context-len")
+        raise InputError(f"the offline corpus gave only {ids.shape[1]} tokens; ask for a shorter --context-len")
     return ids.reshape(batch, n_tokens)
 
 
@@ -176,7 +176,7 @@ def cmd_lowram_init(args) -> int:
     packed = pack_documents(resolve_source(args.data, text_field=args.text_field), tok, args.seq_len)
     n_train, n_held = len(packed.train), len(packed.heldout)
     if n_train < args.contexts or n_held < args.heldout:
-        raise SystemExit(f"{args.data} packs {n_train} training and {n_held} held-out blocks of {args.seq_len} "
+        raise InputError(f"{args.data} packs {n_train} training and {n_held} held-out blocks of {args.seq_len} "
                          f"tokens; ask for fewer --contexts / --heldout or a shorter --seq-len")
     # contexts drawn across the whole training split, not the first few documents
     pick = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed))[:args.contexts].sort().values

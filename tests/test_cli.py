@@ -87,3 +87,18 @@ def test_a_folder_that_holds_no_checkpoint_is_a_backbone_error(tmp_path, capsys)
     assert isinstance(error.value, OSError)  # callers that catch loading failures still do
     _fails_cleanly(["accounting", "--backbone", str(tmp_path), "--context-len", "64"], capsys,
                    f"cannot load {str(tmp_path)!r}")
+
+
+def test_checks_that_used_to_exit_1_are_bad_input_too(tmp_path, capsys):
+    """A CI gate reads exit 1 as a failed run and 2 as a wrong call: these are wrong calls."""
+    out = str(tmp_path / "e.json")
+    _fails_cleanly(["eval", "--methods", "full", "--context-len", "2048,x", "--json", out], capsys,
+                   "--context-len takes integers")
+    _fails_cleanly(["eval", "--methods", "full", "--full-from", str(tmp_path / "none_predictions.jsonl"),
+                    "--json", out], capsys, "--full-from", "no such predictions file")
+    _fails_cleanly(["pool", str(tmp_path / "none_predictions.jsonl"), "--json", out], capsys,
+                   "no such predictions file")
+    _fails_cleanly(["eval", "--methods", "full,residualkv", "--json", out], capsys,
+                   "no trained codec for smollm2-135m", "rkv train --backbone smollm2-135m")
+    _fails_cleanly(["train", "--init", "fisher-pca", "--init-from", str(tmp_path), "--steps", "1"], capsys,
+                   "start the codec two ways")

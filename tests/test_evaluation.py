@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
+from residualkv.config import InputError
 from residualkv.evaluation import Sample, encode_prompt, evaluate, load_jsonl, score
 from residualkv.evaluation.harness import build_method_cache, greedy, measure, summarize
 from residualkv.evaluation.hub import load_benchmark, parse_suite, rows_to_samples
@@ -313,8 +314,9 @@ def test_rkv_pool_compares_two_codecs_run_under_one_method_name(tmp_path, capsys
     (c,) = json.loads((tmp_path / "rows_compare.json").read_text())
     assert c["a"] == "candidate" and c["b"] == "base" and c["n_samples"] == 4 and c["difference"] == pytest.approx(0.5)
     assert "candidate - base at 10 tokens, 4 shared samples: +0.500" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no rows of method"):
-        main(["pool", str(files[1]), "--compare", "candidate,base", "--json", str(out)])
+    capsys.readouterr()
+    assert main(["pool", str(files[1]), "--compare", "candidate,base", "--json", str(out)]) == 2
+    assert "no rows of method" in capsys.readouterr().err
 
 
 def test_rkv_pool_scores_several_runs_as_one_and_counts_shared_samples_once(tmp_path, capsys):
@@ -351,12 +353,14 @@ def test_rkv_pool_scores_several_runs_as_one_and_counts_shared_samples_once(tmp_
     # one sample, one method name, two different answers: two codecs evaluated under one name
     clash = tmp_path / "clash_predictions.jsonl"
     clash.write_text(json.dumps(rec("x", "a-0", "a", "333", 0.0, 1, pred="other")) + "\n")
-    with pytest.raises(SystemExit, match="two different answers under method 'x'"):
-        main(["pool", str(files[1]), str(clash), "--json", str(out)])
+    capsys.readouterr()
+    assert main(["pool", str(files[1]), str(clash), "--json", str(out)]) == 2
+    assert "two different answers under method 'x'" in capsys.readouterr().err
     assert main(["pool", str(files[1]), f"{clash}:y", "--json", str(out)]) == 0  # ':METHODS' takes only those
     assert {r["method"]: r["n_samples"] for r in json.loads(out.read_text())} == {"full": 1, "x": 1}
-    with pytest.raises(SystemExit, match="no such predictions file"):
-        main(["pool", str(tmp_path / "missing.jsonl"), "--json", str(out)])
+    capsys.readouterr()
+    assert main(["pool", str(tmp_path / "missing.jsonl"), "--json", str(out)]) == 2
+    assert "no such predictions file" in capsys.readouterr().err
 
 
 def test_harness_writes_every_output_with_the_contract(tmp_path, tiny_lm, tok):
@@ -415,9 +419,9 @@ def test_full_from_reuses_the_full_cache_answers_of_an_earlier_run(tmp_path, tin
     # the CLI reads the predictions file and refuses a run of another backbone
     assert len(_full_records([str(tmp_path / "first_predictions.jsonl")], "tiny")) == 2
     (tmp_path / "first.json").write_text(json.dumps([{"method": "full", "backbone": "other-model"}]))
-    with pytest.raises(SystemExit, match="evaluated other-model, not tiny"):
+    with pytest.raises(InputError, match="evaluated other-model, not tiny"):
         _full_records([str(tmp_path / "first_predictions.jsonl")], "tiny")
-    with pytest.raises(SystemExit, match="no such predictions file"):
+    with pytest.raises(InputError, match="no such predictions file"):
         _full_records([str(tmp_path / "missing_predictions.jsonl")], "tiny")
 
 
@@ -563,11 +567,11 @@ def test_rkv_eval_cli_needs_a_codec_only_when_asked(tmp_path):
     env = {**__import__("os").environ, "RKV_DATA_DIR": str(tmp_path / "empty-data")}
     proc = subprocess.run([sys.executable, "-m", "residualkv.cli", "eval", "--methods", "full,nope", "--json",
                            str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
-    assert proc.returncode != 0 and "unknown method" in proc.stderr
+    assert proc.returncode == 2 and "unknown method" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "residualkv.cli", "eval", "--methods", "full,kivi2,residualkv",
                            "--json", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env=env)
-    assert proc.returncode != 0 and "rkv train --backbone smollm2-135m" in proc.stderr
+    assert proc.returncode == 2 and "rkv train --backbone smollm2-135m" in proc.stderr
     assert not (tmp_path / "x.json").exists()
 
 

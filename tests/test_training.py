@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -420,16 +421,16 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
     training = b.extra["training"]
     assert training["init"] == "codec" and training["init_from"] == str(start) and training["recall_spans"] == 2
-    with pytest.raises(SystemExit, match="--d-c 16 but the codec .* has d_c 32"):
-        cli.main(common + ["--steps", "1", "--init-from", str(start), "--d-c", "16"])
-    with pytest.raises(SystemExit, match="--init fisher-pca and --init-from"):
-        cli.main(common + ["--steps", "1", "--init-from", str(start), "--init", "fisher-pca"])
-    with pytest.raises(SystemExit, match="--layer-d-c: the codec in .* keeps its latent sizes"):
-        cli.main(common + ["--steps", "1", "--init-from", str(start), "--layer-d-c", "1=32"])
-    with pytest.raises(SystemExit, match=r"--group-size 24 does not divide the latent size d_c \[32\]"):
-        cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--group-size", "24"])
-    with pytest.raises(SystemExit, match="layer 7 has no codec"):
-        cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--layer-d-c", "7=64"])
+    assert cli.main(common + ["--steps", "1", "--init-from", str(start), "--d-c", "16"]) == 2
+    assert re.search("--d-c 16 but the codec .* has d_c 32", capsys.readouterr().err)
+    assert cli.main(common + ["--steps", "1", "--init-from", str(start), "--init", "fisher-pca"]) == 2
+    assert re.search("--init fisher-pca and --init-from", capsys.readouterr().err)
+    assert cli.main(common + ["--steps", "1", "--init-from", str(start), "--layer-d-c", "1=32"]) == 2
+    assert re.search("--layer-d-c: the codec in .* keeps its latent sizes", capsys.readouterr().err)
+    assert cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--group-size", "24"]) == 2
+    assert re.search(r"--group-size 24 does not divide the latent size d_c \[32\]", capsys.readouterr().err)
+    assert cli.main(common + ["--steps", "1", "--d-c", "32", "--d-ff", "48", "--layer-d-c", "7=64"]) == 2
+    assert re.search("layer 7 has no codec", capsys.readouterr().err)
 
 
 def test_recall_spans_copy_earlier_text_and_mark_what_needs_it():

@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..config import InputError
 
 
 def default_methods() -> str:
@@ -33,9 +34,9 @@ def _int_list(text: str | None) -> list[int] | None:
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--context-len takes integers, comma-separated (e.g. 2048,4096); got {text!r}") from None
+        raise InputError(f"--context-len takes integers, comma-separated (e.g. 2048,4096); got {text!r}") from None
     if not values or any(v < 16 for v in values):
-        raise SystemExit(f"--context-len needs lengths of at least 16 tokens; got {text!r}")
+        raise InputError(f"--context-len needs lengths of at least 16 tokens; got {text!r}")
     return values
 
 
@@ -111,11 +112,11 @@ def cmd_pool(args) -> int:
             picks = [m.strip().split("=", 1) for m in names.split(",") if m.strip()]
             f, only = Path(path), {pick[0].strip(): pick[-1].strip() for pick in picks} | {REFERENCE: REFERENCE}
         if not f.is_file():
-            raise SystemExit(f"{spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl next to --json)")
+            raise InputError(f"{spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl next to --json)")
         try:
             run = read_predictions(f)
         except json.JSONDecodeError as err:
-            raise SystemExit(f"{spec}: not a predictions JSONL ({err})") from None
+            raise InputError(f"{spec}: not a predictions JSONL ({err})") from None
         runs.append(run if only is None else [r | {"method": only[r.get("method")]} for r in run if r.get("method") in only])
     if args.methods:  # before pooling: a run may hold another variant under a name left out here
         wanted = {m.strip() for m in args.methods.split(",") if m.strip()} | {REFERENCE}
@@ -123,19 +124,19 @@ def cmd_pool(args) -> int:
     try:
         records = pool_records(runs)
     except (KeyError, TypeError) as err:
-        raise SystemExit(f"a predictions row lacks the field {err}: pass the _predictions.jsonl files of rkv eval runs") from None
+        raise InputError(f"a predictions row lacks the field {err}: pass the _predictions.jsonl files of rkv eval runs") from None
     except ValueError as err:
-        raise SystemExit(str(err)) from None
+        raise InputError(str(err)) from None
     if not any(r["method"] == REFERENCE for r in records):
-        raise SystemExit(f"no {REFERENCE!r} rows in these runs: scores are relative to the full cache, which every rkv eval run records")
+        raise InputError(f"no {REFERENCE!r} rows in these runs: scores are relative to the full cache, which every rkv eval run records")
     pairs = []
     for spec in args.compare:
         names = [m.strip() for m in spec.split(",")]
         if len(names) != 2 or not all(names):
-            raise SystemExit(f"--compare {spec!r}: give two method names, A,B")
+            raise InputError(f"--compare {spec!r}: give two method names, A,B")
         missing = [m for m in names if not any(r["method"] == m for r in records)]
         if missing:
-            raise SystemExit(f"--compare {spec!r}: no rows of method(s) {missing} in these runs")
+            raise InputError(f"--compare {spec!r}: no rows of method(s) {missing} in these runs")
         pairs.append(names)
     rows = pooled_rows(records)
     sources = [str(p) for p in args.predictions]
@@ -183,7 +184,7 @@ def cmd_eval(args) -> int:
             try:
                 method_needs_codec(m)
             except ValueError as err:
-                raise SystemExit(f"{err}, snapkv, and variants: {VARIANTS_HELP}") from None
+                raise InputError(f"{err}, snapkv, and variants: {VARIANTS_HELP}") from None
     lengths = _int_list(args.context_len)
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"
@@ -195,6 +196,7 @@ def cmd_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    reference = _full_records(args.full_from, args.backbone)  # its files checked before the model loads
     needs_codec = any(method_needs_codec(m) for m in methods)
     if needs_codec and args.codec is None:
         _fail_early_without_codec(args.backbone)
@@ -203,9 +205,8 @@ def cmd_eval(args) -> int:
     cfg = base_config(spec)
     codec, codec_note = None, None
     if needs_codec:
-        codec = resolve_codec(args.codec, model, spec)  # SystemExit with how to train one when there is none
+        codec = resolve_codec(args.codec, model, spec)  # CodecError with how to train one when there is none
         codec_note = args.codec or (latest_codec_path(spec.name) if spec else None) or "latest trained"
-    reference = _full_records(args.full_from, args.backbone)
     json_path = Path(args.json)
     rows = evaluate(model, tok, methods, codec, cfg, samples=samples, suite=suite, tasks=tasks,
                     context_len=lengths if lengths is None or len(lengths) > 1 else lengths[0],
@@ -233,19 +234,19 @@ def _full_records(paths: list[str], backbone: str) -> list[dict]:
     for spec in paths:
         f = Path(spec)
         if not f.is_file():
-            raise SystemExit(f"--full-from {spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl "
+            raise InputError(f"--full-from {spec}: no such predictions file (rkv eval writes <stem>_predictions.jsonl "
                              "next to --json)")
         rows_file = f.with_name(f.name.removesuffix("_predictions.jsonl") + ".json")
         if rows_file.is_file():
             named = {r.get("backbone") for r in json.loads(rows_file.read_text(encoding="utf-8")) if r.get("backbone")}
             if named and named != {backbone}:
-                raise SystemExit(f"--full-from {spec}: that run evaluated {', '.join(sorted(named))}, not {backbone}; "
+                raise InputError(f"--full-from {spec}: that run evaluated {', '.join(sorted(named))}, not {backbone}; "
                                  "the full cache's answers belong to their backbone: drop --full-from or pass a run "
                                  f"of --backbone {backbone}")
         try:
             run = read_predictions(f)
         except json.JSONDecodeError as err:
-            raise SystemExit(f"--full-from {spec}: not a predictions JSONL ({err})") from None
+            raise InputError(f"--full-from {spec}: not a predictions JSONL ({err})") from None
         out += [r for r in run if r.get("method") == REFERENCE]
     return out
 
@@ -260,4 +261,4 @@ def _fail_early_without_codec(backbone: str) -> None:
     except (KeyError, FileNotFoundError, ValueError):
         return  # an HF id or a local folder: resolve_codec decides after loading
     if latest_codec_path(spec.name) is None:
-        resolve_codec(None, None, spec)  # raises SystemExit naming `rkv train --backbone ...`
+        resolve_codec(None, None, spec)  # raises CodecError naming `rkv train --backbone ...`

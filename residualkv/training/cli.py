@@ -119,11 +119,11 @@ def run_name(args, source_name: str) -> str:
 def cmd_train(args) -> int:
     from ..backbones import load_backbone
     from ..cli import base_config, codecs_dir, resolve_codec
-    from ..codec import CodecError, ResidualCodec, parse_layer_d_c
-    from ..config import ConfigError, check_group_size
+    from ..codec import ResidualCodec, parse_layer_d_c
+    from ..config import InputError, check_group_size
 
     if args.init_from and args.init != "default":
-        raise SystemExit(f"--init {args.init} and --init-from start the codec two ways; pass one of them")
+        raise InputError(f"--init {args.init} and --init-from start the codec two ways; pass one of them")
     # settings are checked before the model loads: a bad one fails in a second, not after the loading
     config = TrainConfig(seq_len=args.seq_len, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup_frac=args.warmup_frac, loss=args.loss,
@@ -142,29 +142,20 @@ def cmd_train(args) -> int:
     start = None
     if args.init_from:
         start = resolve_codec(args.init_from, model, spec)
-        try:
-            start.check_shape(args.init_from, lambda field: "--" + field.replace("_", "-"),
-                              layer_d_c=args.layer_d_c,
-                              **{field: getattr(args, field) for field in ("d_c", "d_ff", "stride", "bits")})
-        except CodecError as error:
-            raise SystemExit(str(error)) from None
+        start.check_shape(args.init_from, lambda field: "--" + field.replace("_", "-"), layer_d_c=args.layer_d_c,
+                          **{field: getattr(args, field) for field in ("d_c", "d_ff", "stride", "bits")})
         codec_defaults = {"d_c": start.dims.d_c, "d_ff": start.dims.d_ff}
     d_c, d_ff = args.d_c or codec_defaults.get("d_c"), args.d_ff or codec_defaults.get("d_ff")
     if not d_c or not d_ff:
-        raise SystemExit(f"{args.backbone} is not a registered backbone: pass the codec size with --d-c and --d-ff "
+        raise InputError(f"{args.backbone} is not a registered backbone: pass the codec size with --d-c and --d-ff "
                          "(e.g. d_c = 2*d_k/4 and d_ff = 3*2*d_k, as in configs/backbones/smollm2-135m.yaml)")
     cache_config = start.config if start is not None else base_config(spec)
     args.bits = args.bits or cache_config.bits
     cache_config = cache_config.replace(bits=args.bits, **({"stride": args.stride} if args.stride else {}),
                                         **({"group_size": args.group_size} if args.group_size else {}))
-    try:
-        layer_d_c = parse_layer_d_c(args.layer_d_c, cache_config.coded_layers(model.config.num_hidden_layers))
-    except CodecError as error:
-        raise SystemExit(str(error)) from None
-    try:
-        check_group_size(cache_config.group_size, (d_c, *layer_d_c.values()), label="--group-size ")
-    except ConfigError as error:
-        raise SystemExit(str(error)) from None
+    # CodecError, ConfigError: InputErrors, which `rkv` prints alone with exit status 2
+    layer_d_c = parse_layer_d_c(args.layer_d_c, cache_config.coded_layers(model.config.num_hidden_layers))
+    check_group_size(cache_config.group_size, (d_c, *layer_d_c.values()), label="--group-size ")
 
     source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,
                             max_documents=args.max_documents)
