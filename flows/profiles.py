@@ -81,8 +81,7 @@ def profile_path(name_or_path: str | Path) -> Path:
     folder = configs_dir() / "pipelines"
     path = folder / f"{name_or_path}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in folder.glob("*.yaml"))
-        raise ProfileError(f"unknown pipeline profile {str(name_or_path)!r}; known: {', '.join(known)} "
+        raise ProfileError(f"unknown pipeline profile {str(name_or_path)!r}; known: {', '.join(list_profiles())} "
                            f"(in {folder}), or pass a path to a profile YAML")
     return path
 

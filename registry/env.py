@@ -34,10 +34,6 @@ def default_tracking_uri(root: Path | None = None) -> str:
     return f"sqlite:///{mlflow_dir(root) / 'mlflow.db'}"
 
 
-def default_artifact_root(root: Path | None = None) -> Path:
-    return mlflow_dir(root) / "artifacts"
-
-
 def prefect_home(root: Path | None = None) -> Path:
     return (root or data_dir()) / "prefect"
 
