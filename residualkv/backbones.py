@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from .config import InputError
-from .paths import configs_dir, data_dir
+from .paths import configs_dir, data_dir, hub_unreachable
 
 _KEYS = ("name", "hf_id", "source", "config_only", "architecture", "full_attention_layers", "codec", "notes")
 _ARCH_KEYS = ("num_layers", "num_kv_heads", "head_dim")
@@ -301,24 +301,28 @@ def load_backbone(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     spec, location = _resolve(name_or_path)
+    offline = None if Path(location).is_dir() else hub_unreachable()
+    local = {"local_files_only": True} if offline else {}  # a hub id already in the HF cache still loads
     try:
-        config = AutoConfig.from_pretrained(location)
+        config = AutoConfig.from_pretrained(location, **local)
     except (OSError, ValueError) as error:
         if Path(location).is_dir():
             raise BackboneError(f"cannot load {location!r}: the folder holds no Hugging Face checkpoint (a "
                                 "config.json with a model_type, and its weights); pass a checkpoint folder, a "
                                 "registered name (python -m residualkv.backbones list) or a hub id") from error
+        why = (f"the Hugging Face hub is unreachable ({offline}) and its cache does not hold it" if offline
+               else "the Hugging Face hub did not serve it (gated, or a typo)")
         raise BackboneError(
-            f"cannot load {location!r}: it is not a local folder and the Hugging Face hub did not serve it "
-            "(offline, gated, or a typo). Offline, use 'smollm2-135m' or a local checkpoint folder."
+            f"cannot load {location!r}: it is not a local folder and {why}. Offline, use 'smollm2-135m' or a "
+            "local checkpoint folder."
         ) from error
     if spec is not None:
         check_architecture(spec, config)
     model = AutoModelForCausalLM.from_pretrained(
-        location, config=config, dtype=dtype, attn_implementation=attn_implementation
+        location, config=config, dtype=dtype, attn_implementation=attn_implementation, **local
     )
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(location)
+    tokenizer = AutoTokenizer.from_pretrained(location, **local)
     return model, tokenizer, spec
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -40,3 +42,19 @@ def configs_dir() -> Path:
         )
     return root / "configs"
 
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from this machine (its host name does not resolve), or
+    None when it may be. Checked before a hub load because the hub client retries a failed lookup for
+    ~25 s before it gives up or falls back to its cache."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None  # the libraries go straight to their caches
+    host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as error:
+        return f"{host} does not resolve: {error.strerror or error}"
+    return None

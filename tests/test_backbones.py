@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig
 
 from residualkv.backbones import (
+    BackboneError,
     BackboneSpec,
     cache_dir,
     check_architecture,
@@ -14,6 +15,7 @@ from residualkv.backbones import (
     list_backbones,
     load_backbone,
 )
+from residualkv.config import InputError
 
 # ResidualKV Table I (PDF p. 8): 2d_k, d_c, d_ff, full-attention layer ids. Written out here, apart
 # from the YAMLs, so a typo in either shows up.
@@ -125,3 +127,22 @@ def test_smollm2_loads_and_answers():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
     assert "Paris" in text
+
+
+def test_an_unreachable_hub_fails_at_once_and_says_so(monkeypatch):
+    """A host name that does not resolve ends the load before the hub client's ~25 s of retries."""
+    import socket
+
+    from residualkv.evaluation.hub import load_benchmark
+    from residualkv.training.packing import DataError, HubSource
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    with pytest.raises(BackboneError, match="hub is unreachable .huggingface.co does not resolve"):
+        load_backbone("no-such-org/no-such-model")
+    with pytest.raises(DataError, match="--data no-such-org/corpus: the Hugging Face hub is unreachable"):
+        HubSource("no-such-org/corpus").load()
+    with pytest.raises(InputError, match="the hub is unreachable .* HF_HUB_OFFLINE=1"):
+        load_benchmark("longbench", "hotpotqa")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..config import InputError
+from ..paths import hub_unreachable
 from .samples import DEFAULT_MAX_NEW_TOKENS, Sample
 
 # https://github.com/THUDM/LongBench/blob/main/LongBench/config/dataset2maxlen.json
@@ -133,12 +134,17 @@ def load_benchmark(source: str, subset: str | None = None, *, path: str | None =
         kwargs: dict[str, Any] = {"split": split or spec.split}
         if subset is not None:
             kwargs["data_dir" if spec.subset_is_data_dir else "name"] = subset
+        fallback = "Offline, use --suite synthetic or --tasks FILE.jsonl"
+        if not Path(path or spec.path).exists() and (offline := hub_unreachable()):
+            raise InputError(f"could not load {path or spec.path} ({subset or 'default'}): the hub is unreachable "
+                             f"({offline}). {fallback}; a dataset already in the datasets cache loads with "
+                             "HF_HUB_OFFLINE=1.")
         try:
             ds = datasets.load_dataset(path or spec.path, **kwargs)
-        except Exception as e:  # offline, gated, renamed, or a script-only repository
-            raise RuntimeError(f"could not load {path or spec.path} ({subset or 'default'}) from the hub: {e}. "
-                               "Offline, use --suite synthetic or --tasks FILE.jsonl; for a script-only "
-                               f"repository pass a parquet mirror with the same fields as {source}:SUBSET@OWNER/REPO") from e
+        except Exception as e:  # gated, renamed, or a script-only repository
+            raise InputError(f"could not load {path or spec.path} ({subset or 'default'}) from the hub: {e}. "
+                             f"{fallback}; for a script-only repository pass a parquet mirror with the same fields "
+                             f"as {source}:SUBSET@OWNER/REPO") from e
     return rows_to_samples(ds, source, subset, limit)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from ..config import InputError
 from ..data import is_heldout, offline_documents
-from ..paths import data_dir
+from ..paths import data_dir, hub_unreachable
 
 PACKING_VERSION = 1  # bump when the packing rule changes, so old packed sets are not reused
 DOCS_PER_BATCH = 1000  # documents per `map` batch; at most seq_len-1 tokens are dropped per batch
@@ -130,6 +130,10 @@ class HubSource:
     def load(self):
         import datasets
 
+        if not Path(self.name).exists() and (offline := hub_unreachable()):
+            raise DataError(f"--data {self.name}: the Hugging Face hub is unreachable ({offline}). Offline, use "
+                            "--data offline or a local folder of .txt/.jsonl files (a dataset already in the "
+                            "datasets cache loads with HF_HUB_OFFLINE=1).")
         try:
             ds = datasets.load_dataset(self.name, self.config, split=self.split, cache_dir=self.cache_dir)
         except Exception as error:  # offline, unknown name, gated: all end here
