@@ -43,7 +43,6 @@ def configs_dir() -> Path:
     return root / "configs"
 
 
-
 def hub_unreachable() -> str | None:
     """Why the Hugging Face hub cannot be reached from this machine (its host name does not resolve), or
     None when it may be. Checked before a hub load because the hub client retries a failed lookup for
