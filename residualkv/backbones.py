@@ -301,7 +301,7 @@ def load_backbone(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     spec, location = _resolve(name_or_path)
-    offline = None if Path(location).is_dir() else hub_unreachable()
+    offline = hub_unreachable(location)
     local = {"local_files_only": True} if offline else {}  # a hub id already in the HF cache still loads
     try:
         config = AutoConfig.from_pretrained(location, **local)

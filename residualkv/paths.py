@@ -43,14 +43,14 @@ def configs_dir() -> Path:
     return root / "configs"
 
 
-def hub_unreachable() -> str | None:
-    """Why the Hugging Face hub cannot be reached from this machine (its host name does not resolve), or
-    None when it may be. Checked before a hub load because the hub client retries a failed lookup for
-    ~25 s before it gives up or falls back to its cache."""
+def hub_unreachable(name: str | os.PathLike) -> str | None:
+    """Why `name`, a hub id, cannot be fetched from this machine (the hub's host name does not resolve),
+    or None when it may be, or when `name` is a local path. Checked before a hub load because the hub
+    client retries a failed lookup for ~25 s before it gives up or falls back to its cache."""
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        return None  # the libraries go straight to their caches
+    if Path(name).exists() or constants.HF_HUB_OFFLINE:
+        return None  # a local path; or offline mode, where the libraries go straight to their caches
     host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
     try:
         socket.getaddrinfo(host, 443)

@@ -135,7 +135,7 @@ def load_benchmark(source: str, subset: str | None = None, *, path: str | None =
         if subset is not None:
             kwargs["data_dir" if spec.subset_is_data_dir else "name"] = subset
         fallback = "Offline, use --suite synthetic or --tasks FILE.jsonl"
-        if not Path(path or spec.path).exists() and (offline := hub_unreachable()):
+        if offline := hub_unreachable(path or spec.path):
             raise InputError(f"could not load {path or spec.path} ({subset or 'default'}): the hub is unreachable "
                              f"({offline}). {fallback}; a dataset already in the datasets cache loads with "
                              "HF_HUB_OFFLINE=1.")

@@ -130,7 +130,7 @@ class HubSource:
     def load(self):
         import datasets
 
-        if not Path(self.name).exists() and (offline := hub_unreachable()):
+        if offline := hub_unreachable(self.name):
             raise DataError(f"--data {self.name}: the Hugging Face hub is unreachable ({offline}). Offline, use "
                             "--data offline or a local folder of .txt/.jsonl files (a dataset already in the "
                             "datasets cache loads with HF_HUB_OFFLINE=1).")
