@@ -146,3 +146,13 @@ def test_an_unreachable_hub_fails_at_once_and_says_so(monkeypatch):
         HubSource("no-such-org/corpus").load()
     with pytest.raises(InputError, match="the hub is unreachable .* HF_HUB_OFFLINE=1"):
         load_benchmark("longbench", "hotpotqa")
+
+    # rkv eval fetches a hub suite before the model: an unknown backbone name is never reached
+    from residualkv.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the hub suite")
+
+    monkeypatch.setattr("residualkv.backbones.load_backbone", no_model)
+    assert main(["eval", "--backbone", "no-such-org/no-such-model", "--methods", "full",
+                 "--suite", "longbench:hotpotqa", "--json", "/nonexistent/out.json"]) == 2

@@ -174,7 +174,7 @@ def cmd_eval(args) -> int:
 
     from ..backbones import load_backbone
     from ..cli import base_config, latest_codec_path, resolve_codec
-    from .harness import VARIANTS_HELP, check_suite, evaluate, known_method, method_needs_codec
+    from .harness import VARIANTS_HELP, check_suite, evaluate, known_method, method_needs_codec, suite_samples
     from .report import markdown_table
     from .samples import load_jsonl
 
@@ -189,8 +189,9 @@ def cmd_eval(args) -> int:
     samples = load_jsonl(args.tasks) if args.tasks else None
     suite = args.suite or "synthetic"
     tasks = [t.strip() for t in args.synthetic_tasks.split(",")] if args.synthetic_tasks else None
-    if samples is None:
-        check_suite(suite, tasks)
+    if samples is None and check_suite(suite, tasks) is not None:
+        # a hub benchmark needs no tokenizer: fetched before the model, so a bad name fails in seconds
+        samples = suite_samples(suite, None, None, args.n_samples, args.seed)
     if samples is None and lengths is None and (suite.startswith("synthetic") or tasks or suite == "ppl"):
         lengths = [2048]
     if args.threads:
