@@ -102,7 +102,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _residual("residualkv-snapkv", "ResidualKV + SnapKV: trained codec, INT4 latents, compressed layers keep only "
               "SnapKV's survivors after the prompt plus the references they need (irreversible)",
               bits=4, mode="snapkv"),
-    _residual("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents", bits=2, mode="standalone"),
+    _residual("residualkv-int2", "ResidualKV standalone, trained codec, INT2 latents (a codec trained at "
+              "INT4 is then quantised below the grid it learnt: train one with --bits 2 for the seed's INT2 setting)", bits=2, mode="standalone"),
     _lowram("lowram", "LowRAM (seed 003) at 4x: xKV low-rank keys (groups of 4 layers), values from a predictor fitted "
             "to the prompt (150 Adam steps) + FP16 residuals of the worst-predicted tokens; no training"),
     _lowram("lowram-q", "LowRAM-Q at 5x: as lowram, the key basis in 4 bits and the value residuals in 2 bits",

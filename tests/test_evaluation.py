@@ -453,7 +453,7 @@ def test_full_rel_score_is_one_when_full_scores(tmp_path, tiny_lm, tok):
     assert rows[0]["ppl"] is None
 
 
-def test_every_registered_method_runs_through_the_harness(tiny_lm, tok, tmp_path, monkeypatch):
+def test_every_registered_method_runs_through_the_harness(tiny_lm, tok, tmp_path, monkeypatch, capsys):
     from residualkv.codec import ResidualCodec
     from residualkv.config import ResidualKVConfig, LowRAMConfig
     from residualkv.lowram.meta import learn_starts
@@ -471,6 +471,12 @@ def test_every_registered_method_runs_through_the_harness(tiny_lm, tok, tmp_path
     rows = evaluate(tiny_lm, tok, list(METHODS) + ["snapkv"], codec, base, samples=samples, context_len=None,
                     ppl_context=40, ppl_tokens=3, progress=False)
     assert [r["method"] for r in rows] == list(dict.fromkeys(["full", *METHODS, "snapkv"]))
+    by = {r["method"]: r for r in rows}
+    # each row says which latent width it served and which one the codec learnt
+    assert (by["residualkv-int2"]["latent_bits"], by["residualkv-int2"]["codec_bits"]) == (2, codec.config.bits)
+    assert (by["residualkv-standalone"]["latent_bits"], by["residualkv-standalone"]["codec_bits"]) == (4, 4)
+    assert by["kivi2"]["latent_bits"] is None and by["residualkv-dagger"]["codec_bits"] is None
+    assert "residualkv-int2 serves INT2 latents from a codec trained at INT4" in capsys.readouterr().err
     for r in rows:
         assert 0 < r["kr_measured"] <= 1.0 and 0 < r["cr"] <= 1.0 and r["ppl"] > 0, r["method"]
         # memory kept beside the stored bytes: none here (LowRAM-SR's buffer needs a prompt it selects from)

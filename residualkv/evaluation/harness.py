@@ -26,6 +26,8 @@ Per (method, context length) row:
   answer_nll                    mean over tasks of the mean NLL per token (nats) of a correct answer written
                                 after the prompt, teacher-forced through the method's cache (`answer_nll`):
                                 a continuous reading of the same question, far less noisy than string match
+  latent_bits, codec_bits       for a trained-codec method: the latent width it serves and the one its codec
+                                was trained at (they differ for residualkv-int2 on an INT4 codec; None otherwise)
   answer_nll_delta, _ci         answer_nll minus the full cache's on the same samples (paired; > 0: the
                                 cache makes the right answer less likely), and its 95% bootstrap interval
 The full FP16 cache is always run (added first when not requested): quality is relative to it.
@@ -320,8 +322,17 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
         if not known_method(m):
             method_needs_codec(m)  # raises with the list of known methods
     methods = [REFERENCE] + [m for m in methods if m != REFERENCE]  # the reference runs first, always
+    bits: dict[str, dict[str, Any]] = {}
     for m in methods:  # a method that cannot be built (no codec, no learnt starts) fails now, not hours in
-        build_method_cache(m, model, codec, base_config)
+        built = build_method_cache(m, model, codec, base_config)
+        if codec is not None and method_needs_codec(m):
+            served = getattr(getattr(built, "config", None), "bits", None)
+            bits[m] = {"latent_bits": served, "codec_bits": codec.config.bits}
+            if served is not None and served != codec.config.bits:
+                # a codec learns its weights for its own grid: another width is post-training quantisation
+                print(f"[rkv eval] {m} serves INT{served} latents from a codec trained at INT{codec.config.bits}: "
+                      f"its row measures the codec quantised below what it learnt (train one with --bits {served} "
+                      "for that setting)", file=sys.stderr)
     lengths: list[int | None] = list(context_len) if isinstance(context_len, (list, tuple)) else [context_len]
     stop = eos_ids(model, tokenizer)
 
@@ -399,6 +410,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
 
     rows = summarize(records, ppl_results, methods, lengths, ppl_context if ppl_runs else None, ppl_tokens)
     for r in rows:
+        r.update(bits.get(r["method"], {"latent_bits": None, "codec_bits": None}))
         r.update(extra or {})
     if out_dir is not None or json_path is not None:
         from .report import write_outputs
