@@ -7,11 +7,15 @@ partial copy, a tampered file) is refused by the sha256 its metadata records.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,25 +32,64 @@ def sha256_file(path: str | Path) -> str:
 
 
 def write_dir_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
-    """Build `directory` by `write(tmp)` in a hidden sibling, then swap it in (a crash leaves only the
-    hidden sibling behind)."""
+    """Build `directory` by `write(tmp)` in a hidden sibling, flush it to disk, then swap it in: a reader
+    sees the old folder or the new one, and a crash at any point leaves the old folder in place (or, where
+    the file system cannot exchange two names at once, in a hidden `.NAME.old-*` sibling)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; what is saved here is meant to be shared
     try:
         write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        _fsync(tmp)
+        if not directory.exists():
+            os.replace(tmp, directory)
+        elif _exchange(tmp, directory):  # tmp now holds the old folder
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+            os.replace(directory, old)  # an empty directory is replaced; a unique name never collides
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if directory.exists():
-        old = directory.with_name(directory.name + ".old")
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
+    _fsync(directory.parent)
     return directory
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
+    libc = _libc()
+    if libc is None:
+        return False
+    if libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # a file system (or kernel) without the exchange
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        return libc
+    except (OSError, AttributeError):  # not glibc >= 2.28 / not Linux
+        return None
 
 
 def save_folder(directory: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, weights: str,

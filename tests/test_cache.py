@@ -227,6 +227,28 @@ def test_codec_save_load_and_refusals(tmp_path, tiny_model):
         ResidualCodec.load(path)
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_a_saved_folder_is_replaced_whole_and_a_failed_save_keeps_the_old_one(tmp_path, monkeypatch, exchange):
+    from residualkv import saved
+
+    if not exchange:  # a file system without RENAME_EXCHANGE: the two-rename fallback
+        monkeypatch.setattr(saved, "_exchange", lambda a, b: False)
+    target = tmp_path / "codec"
+    saved.write_dir_atomically(target, lambda d: (d / "w").write_text("v1"))
+    (tmp_path / "codec.old").mkdir()  # what an interrupted save of the earlier scheme left behind
+    saved.write_dir_atomically(target, lambda d: (d / "w").write_text("v2"))
+    assert (target / "w").read_text() == "v2"
+
+    def crash(d):
+        (d / "w").write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        saved.write_dir_atomically(target, crash)
+    assert (target / "w").read_text() == "v2"  # the old folder stands, and no hidden leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["codec", "codec.old"]
+
+
 def test_per_layer_latent_sizes_save_load_and_bytes(tmp_path, tiny_model):
     cfg = ResidualKVConfig(full_attention_layers=(0,), stride=4, n_sink=2)
     sizes = parse_layer_d_c(["1-2=64"], [1, 2, 3])
