@@ -23,7 +23,8 @@ def register(subparsers) -> None:
     b = subparsers.add_parser("bench-regress", help="re-evaluate a registered codec version; non-zero on regressions")
     b.add_argument("--codec", default=None, help="models:/NAME@ALIAS or models:/NAME/VERSION "
                                                  "(default: the champion of the profile's first backbone)")
-    b.add_argument("--profile", default="quick", help="names the default model (rkv-<backbone>) when --codec is not given")
+    b.add_argument("--profile", default="quick", help="its registry.tracking_uri (if set) is the store read, and it names the default "
+                                                 "model (rkv-<backbone>) when --codec is not given")
     b.add_argument("--tolerance", type=float, default=0.02,
                    help="allowed worsening: absolute for scores and KR, relative for perplexities (default 0.02)")
     b.add_argument("--nll-tolerance", type=float, default=None,
@@ -77,6 +78,13 @@ def cmd_bench_regress(args) -> int:
 
     from .bench_regress import bench_regress
 
+    from registry import env
+
+    from .profiles import load_profile
+
+    prof = load_profile(args.profile)
+    if prof.registry.get("tracking_uri"):  # the store `rkv run --profile` of this profile registers into
+        env.use_tracking_uri(prof.registry["tracking_uri"])
     uri = args.codec or default_uri(args.profile)
     try:
         extra = {} if args.nll_tolerance is None else {"nll_tolerance": args.nll_tolerance}

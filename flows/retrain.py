@@ -68,8 +68,7 @@ def retrain_flow(profile: str = "quick") -> dict[str, Any]:
 
     results = []
     for entry, name, ref, run, train in zip(prof.backbones, names, refs, runs, trained):
-        results.append(benchmark_and_register(prof, entry, name, ref, run.result(), train,
-                                              str(reports_root / name)))
+        results.append(benchmark_and_register(prof, entry, name, ref, run, train, str(reports_root / name)))
 
     status = "ok" if all(r["status"] == "registered" or r["status"] == "validated" for r in results) else "failed"
     summary = {"profile": prof.name, "status": status, "backbones": results, "reports_root": str(reports_root),
@@ -87,12 +86,16 @@ class PipelineFailed(RuntimeError):
         self.summary = summary
 
 
-def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_id: str, train_future,
+def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_future, train_future,
                            report_dir: str) -> dict[str, Any]:
     """The per-backbone tail of the DAG; returns a summary row instead of raising, so one backbone's
-    failure does not hide the others' results (the flow fails at the end)."""
-    out: dict[str, Any] = {"backbone": name, "status": "failed", "run_id": run_id, "report_dir": report_dir}
+    failure does not hide the others' results (the flow fails at the end). A step that fails after
+    validation (registration, the champion's re-measurement, promotion) fails the backbone too: the
+    row keeps what was done, and its status is "failed"."""
+    out: dict[str, Any] = {"backbone": name, "status": "failed", "run_id": None, "report_dir": report_dir}
+    run_id = None
     try:
+        run_id = out["run_id"] = run_future.result()
         train = train_future.result()
         out["train"] = {k: train.get(k) for k in ("codec_dir", "steps", "total_steps", "resumed_from", "cached",
                                                    "train_seconds", "run_dir")}
@@ -135,13 +138,14 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_i
         end_run(run_id, "FINISHED")
     except TableValidationError as error:
         say(str(error), error=True)
-        out["error"] = str(error)
+        out["status"], out["error"] = "failed", str(error)
         _safe(log_failure, run_id, error.table.replace("/", "_"), str(error))
         _safe(end_run.fn, run_id, "FAILED", str(error))
     except Exception as error:  # noqa: BLE001 - reported per backbone, the flow fails at the end
-        out["error"] = f"{type(error).__name__}: {error}"
+        out["status"], out["error"] = "failed", f"{type(error).__name__}: {error}"
         say(traceback.format_exc(), error=True)
-        _safe(end_run.fn, run_id, "FAILED", traceback.format_exc())
+        if run_id is not None:
+            _safe(end_run.fn, run_id, "FAILED", traceback.format_exc())
     return out
 
 

@@ -166,6 +166,29 @@ def test_pandera_failure_stops_the_flow_and_registers_nothing(smoke, store):
     assert "validation/KR_CR_FAILED.txt" in arts
 
 
+def test_a_failed_registration_fails_the_run(smoke, store):
+    """A step after validation that fails (here the registry upload) fails the backbone and the run: exit 1,
+    never "ok" with nothing registered."""
+    before = len(store.list_versions("rkv-tiny-llama"))
+    inject = textwrap.dedent(f"""
+        import flows.retrain as retrain
+        def upload_fails(*args, **kwargs):
+            raise OSError("injected: the artifact store refused the upload")
+        retrain.register_codec_version = upload_fails
+        from flows.cli import main
+        raise SystemExit(main(["run", "--profile", {str(smoke["profile"])!r}, "--json", {str(smoke["root"] / "failed.json")!r}]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", inject], cwd=REPO, env=isolated_env(smoke["data"]),
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "injected: the artifact store refused the upload" in out
+    summary = json.loads((smoke["root"] / "failed.json").read_text())
+    assert summary["status"] == "failed" and summary["backbones"][0]["status"] == "failed"
+    assert "OSError: injected" in summary["backbones"][0]["error"]
+    assert len(store.list_versions("rkv-tiny-llama")) == before
+
+
 def rkv_env_experiment() -> str:
     from registry.store import experiment_id
 
@@ -315,6 +338,17 @@ def test_bench_regress_passes_against_itself_and_fails_for_a_degraded_candidate(
     assert result["paired"] == [] and "no paired comparison" in result["paired_note"], result["paired_note"]
     # the outcome is recorded on the version
     assert store.get_version(f"models:/rkv-tiny-llama/{reg.version}").tags["rkv.bench_regress"].startswith("fail")
+
+
+def test_bench_regress_reads_the_store_its_profile_names(smoke, store, tmp_path, capsys):
+    """`--profile P` whose registry.tracking_uri names another store: the gate reads that store (where the
+    champion of this process's store does not exist), not $MLFLOW_TRACKING_URI."""
+    from flows.cli import main as cli
+
+    other = write_profile(tmp_path, name="elsewhere", registry={"tracking_uri": f"sqlite:///{tmp_path / 'other.db'}"})
+    assert store.get_version("models:/rkv-tiny-llama@champion") is not None  # there in the default store
+    assert cli(["bench-regress", "--profile", str(other), "--codec", "models:/rkv-tiny-llama@champion"]) == 2
+    assert "cannot check models:/rkv-tiny-llama@champion" in capsys.readouterr().err
 
 
 def test_regression_table_logic():
