@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,12 +135,30 @@ def load_profile(name_or_path: str | Path) -> Profile:
                     **{f.name: train[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "seq_len"})
     except InputError as error:
         raise ProfileError(f"{path}: train: {error}") from None
+    for key, value in sections["registry"]["promotion"].items():  # read only when a codec is promoted
+        want = type(DEFAULTS["registry"]["promotion"][key])
+        if value is None and key in ("ppl_metric", "answer_nll_tol"):
+            continue  # None switches that guard off
+        if not (isinstance(value, bool) if want is bool else
+                isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else isinstance(value, want)):
+            kind = {bool: "true or false", float: "a number", str: "a metric name"}[want]
+            raise ProfileError(f"{path}: registry.promotion.{key} is {value!r}; it must be {kind}")
     if sections["registry"]["method"] not in sections["evaluate"]["methods"]:
         raise ProfileError(f"{path}: registry.method {sections['registry']['method']!r} must be one of "
                            f"evaluate.methods {sections['evaluate']['methods']}")
     if "full" not in sections["evaluate"]["methods"]:
         raise ProfileError(f"{path}: evaluate.methods must include 'full' (scores are relative to the full cache)")
-    from residualkv.evaluation.harness import known_method
+    from residualkv.evaluation.harness import evaluate, known_method
+
+    options = sections["evaluate"]["options"]
+    if not isinstance(options, dict):
+        raise ProfileError(f"{path}: `evaluate.options` must be a mapping of residualkv.evaluation.evaluate keywords")
+    # the pipeline passes these itself; any other keyword must be one evaluate() takes, or it fails after training
+    settable = sorted(set(inspect.signature(evaluate).parameters) - {
+        "model", "tokenizer", "methods", "codec", "base_config", "out_dir", "stem", "json_path", "progress"})
+    bad = sorted(set(options) - set(settable))
+    if bad:
+        raise ProfileError(f"{path}: unknown key(s) {bad} in `evaluate.options`; known: {settable}")
 
     for section in ("accounting", "evaluate", "throughput"):
         unknown_methods = [m for m in sections[section]["methods"] if not known_method(m)]

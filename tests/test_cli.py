@@ -41,6 +41,17 @@ def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_st
     bad.write_text(yaml.safe_dump(profile))
     _fails_cleanly(["run", "--profile", str(bad)], capsys, f"{bad}: train: invalid lr=-1.0")
 
+    # evaluation options and promotion values are read after training: they are checked here too
+    profile["train"]["lr"] = 2e-4
+    profile["evaluate"]["options"]["n_sampels"] = 3
+    bad.write_text(yaml.safe_dump(profile))
+    _fails_cleanly(["run", "--profile", str(bad)], capsys, "unknown key(s) ['n_sampels'] in `evaluate.options`",
+                   "'n_samples'")
+    del profile["evaluate"]["options"]["n_sampels"]
+    profile.setdefault("registry", {})["promotion"] = {"score_tol": "0.01x"}
+    bad.write_text(yaml.safe_dump(profile))
+    _fails_cleanly(["run", "--profile", str(bad)], capsys, "registry.promotion.score_tol is '0.01x'; it must be a number")
+
 
 def test_missing_or_malformed_task_files_name_the_file_and_line(tmp_path, capsys):
     out = str(tmp_path / "eval.json")
@@ -87,6 +98,21 @@ def test_a_folder_that_holds_no_checkpoint_is_a_backbone_error(tmp_path, capsys)
     assert isinstance(error.value, OSError)  # callers that catch loading failures still do
     _fails_cleanly(["accounting", "--backbone", str(tmp_path), "--context-len", "64"], capsys,
                    f"cannot load {str(tmp_path)!r}")
+
+
+def test_missing_input_files_fail_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the input was checked")
+
+    monkeypatch.setattr("residualkv.backbones.load_backbone", no_model)
+    monkeypatch.setattr("residualkv.cli.load_backbone", no_model)
+    out, gone = str(tmp_path / "e.json"), str(tmp_path / "gone")
+    _fails_cleanly(["train", "--data", gone, "--steps", "1"], capsys, f"--data {gone}: no such file or folder")
+    _fails_cleanly(["train", "--init-from", gone, "--steps", "1"], capsys, f"--init-from {gone}: no such codec folder")
+    _fails_cleanly(["eval", "--methods", "full,residualkv", "--codec", gone, "--json", out], capsys,
+                   f"--codec {gone}: no such codec folder", "models:/NAME@ALIAS")
+    _fails_cleanly(["generate", "hi", "--method", "residualkv", "--codec", gone], capsys,
+                   "no such codec folder")
 
 
 def test_checks_that_used_to_exit_1_are_bad_input_too(tmp_path, capsys):
