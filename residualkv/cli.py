@@ -58,6 +58,14 @@ def resolve_codec(ref: str | None, model, spec, *, required: bool = True) -> Res
     return ResidualCodec.load(path, model_config=model.config)
 
 
+def check_codec_ref(ref: str | None, flag: str = "--codec") -> None:
+    """A local codec path that does not exist fails before the model loads (minutes on a large model);
+    a models:/ URI is the registry's to check."""
+    if ref and not ref.startswith("models:/") and not Path(ref).exists():
+        raise CodecError(f"{flag} {ref}: no such codec folder; pass the `codec` folder `rkv train` saved, or a "
+                         "registry URI models:/NAME@ALIAS")
+
+
 def untrained_codec(model, spec, cfg: ResidualKVConfig) -> ResidualCodec:
     return ResidualCodec.for_model(model.config, cfg, d_c=spec.codec["d_c"], d_ff=spec.codec["d_ff"],
                                    backbone=spec.name)
@@ -87,6 +95,7 @@ def method_name(name: str) -> str:
 def cmd_accounting(args) -> int:
     from .evaluation.harness import build_method_cache, method_needs_codec
 
+    check_codec_ref(args.codec)
     model, tok, spec = load_backbone(args.backbone)
     cfg = base_config(spec)
     codec, codec_note = None, "none"
@@ -131,6 +140,7 @@ def _generate(model, tok, prompt: str, cache, max_new_tokens: int) -> str:
 def cmd_generate(args) -> int:
     from .evaluation.harness import build_method_cache, method_needs_codec
 
+    check_codec_ref(args.codec)
     model, tok, spec = load_backbone(args.backbone)
     codec = resolve_codec(args.codec, model, spec) if method_needs_codec(args.method) else None
     cache = build_method_cache(args.method, model, codec, base_config(spec))
@@ -142,6 +152,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    check_codec_ref(args.codec)
     print(f"loading {args.backbone} (offline) …", flush=True)
     model, tok, spec = load_backbone(args.backbone)
     cfg = base_config(spec)

@@ -385,7 +385,7 @@ def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
     argv = ["train", "--backbone", str(folder), "--data", str(corpus), "--seq-len", str(SEQ), "--steps", "3",
             "--d-c", "32", "--d-ff", "48", "--eval-blocks", "1", "--json"]
     assert cli.main(argv) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = json.loads(capsys.readouterr().out)  # stdout holds the result alone; progress goes to stderr
     codec_path = Path(result["codec"])
     assert codec_path.parent.parent == tmp_path / "rkv-data" / "codecs" / "tiny-llama"
     assert result["steps"] == 3 and "eval/ppl_ratio" in result
@@ -411,6 +411,8 @@ def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, c
                               "--recall-span-len", "8"]) == 0
     out = Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["codec"])
     assert f"-recall2x8-from-{start.parent.name[:40]}" in out.parent.name  # its own run, never the start's
+    # named by the start's weights too: models:/NAME@champion moved to other weights starts another run
+    assert f"-{ResidualCodec.load(start).weights_digest()[:8]}" in out.parent.name
     a, b = ResidualCodec.load(start), ResidualCodec.load(out)
     assert (b.dims.d_c, b.dims.d_ff, b.config.stride, b.layer_d_c) == (32, 48, 5, {1: 64, 2: 64})
     assert a.config.group_size == b.config.group_size == 16  # trained in groups of 16, served so

@@ -173,7 +173,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from ..backbones import load_backbone
-    from ..cli import base_config, latest_codec_path, resolve_codec
+    from ..cli import base_config, check_codec_ref, latest_codec_path, resolve_codec
     from .harness import VARIANTS_HELP, check_suite, evaluate, known_method, method_needs_codec, suite_samples
     from .report import markdown_table
     from .samples import load_jsonl
@@ -201,6 +201,8 @@ def cmd_eval(args) -> int:
     needs_codec = any(method_needs_codec(m) for m in methods)
     if needs_codec and args.codec is None:
         _fail_early_without_codec(args.backbone)
+    elif needs_codec:
+        check_codec_ref(args.codec)
     print(f"[rkv eval] loading {args.backbone}", file=sys.stderr, flush=True)
     model, tok, spec = load_backbone(args.backbone)
     cfg = base_config(spec)

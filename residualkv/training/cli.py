@@ -93,9 +93,13 @@ def register(subparsers) -> None:
     t.set_defaults(func=cmd_train)
 
 
-def run_name(args, source_name: str) -> str:
-    """Depends only on the settings, so the same command finds (and resumes) the same run."""
+def run_name(args, source_name: str, start_digest: str | None = None) -> str:
+    """Depends only on the settings (and the starting codec's weights), so the same command finds (and
+    resumes) the same run, and a command whose `--init-from models:/NAME@champion` now names other weights
+    starts a new one."""
     name = f"{args.loss.replace('+', '-')}-int{args.bits}-L{args.seq_len}-seed{args.seed}"
+    if getattr(args, "init", "default") != "default":
+        name += f"-init{args.init}"
     if args.rec_reduction != "sum" or args.rec_weight != 1.0:
         name += f"-rec{args.rec_reduction}{args.rec_weight:g}"
     # a different codec shape must never resume another shape's checkpoints
@@ -111,6 +115,8 @@ def run_name(args, source_name: str) -> str:
     if getattr(args, "init_from", None):
         start = Path(args.init_from)
         name += "-from-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", (start.parent if start.name == "codec" else start).name)[:40]
+        if start_digest:
+            name += f"-{start_digest[:8]}"
     if source_name != "offline":
         name += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(source_name).name)[:40]
     return name
@@ -118,7 +124,7 @@ def run_name(args, source_name: str) -> str:
 
 def cmd_train(args) -> int:
     from ..backbones import load_backbone
-    from ..cli import base_config, codecs_dir, resolve_codec
+    from ..cli import base_config, check_codec_ref, codecs_dir, resolve_codec
     from ..codec import ResidualCodec, parse_layer_d_c
     from ..config import InputError, check_group_size
 
@@ -134,6 +140,10 @@ def cmd_train(args) -> int:
                          recall_span_len=args.recall_span_len, init_from=args.init_from,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed, log_every=args.log_every,
                          ckpt_every=args.ckpt_every, eval_blocks=args.eval_blocks)
+    # a missing --init-from or --data path (or an unreachable hub) fails before the model loads too
+    check_codec_ref(args.init_from, "--init-from")
+    source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,
+                            max_documents=args.max_documents)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, spec = load_backbone(args.backbone)
@@ -157,13 +167,12 @@ def cmd_train(args) -> int:
     layer_d_c = parse_layer_d_c(args.layer_d_c, cache_config.coded_layers(model.config.num_hidden_layers))
     check_group_size(cache_config.group_size, (d_c, *layer_d_c.values()), label="--group-size ")
 
-    source = resolve_source(args.data, text_field=args.text_field, config=args.data_config, split=args.data_split,
-                            max_documents=args.max_documents)
     packed = pack_documents(source, tokenizer, args.seq_len)
     print(f"[rkv train] data: {packed.meta['train_blocks']} training and {packed.meta['heldout_blocks']} held-out "
-          f"blocks of {args.seq_len} tokens from {source.name} ({packed.path})", flush=True)
+          f"blocks of {args.seq_len} tokens from {source.name} ({packed.path})", file=sys.stderr, flush=True)
 
-    out = Path(args.out) if args.out else codecs_dir(backbone) / run_name(args, source.name)
+    start_digest = start.weights_digest() if start is not None else None
+    out = Path(args.out) if args.out else codecs_dir(backbone) / run_name(args, source.name, start_digest)
     if args.restart and (out / CHECKPOINTS).exists():
         shutil.rmtree(out / CHECKPOINTS)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -690,7 +691,7 @@ class CodecTrainer:
 
     def _say(self, message: str) -> None:
         if self.accelerator.is_main_process:
-            print(f"[rkv train] {message}", flush=True)
+            print(f"[rkv train] {message}", file=sys.stderr, flush=True)  # stdout holds only the result
 
 
 def served_start(codec: ResidualCodec | None, seq_len: int) -> int:
