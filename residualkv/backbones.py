@@ -17,10 +17,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import weakref
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -368,6 +369,50 @@ def fingerprint(model_or_config: Any) -> dict[str, Any]:
 def fingerprint_hash(fp: dict[str, Any]) -> str:
     canonical = json.dumps(fp, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# What is derived from the weights (the fingerprint above describes only the shape)
+
+
+_PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def kv_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:
+    """(k_proj, v_proj) of every layer."""
+    return [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in getattr(model, "model", model).layers]
+
+
+def per_model(model: torch.nn.Module, name: str, compute: Callable[[], Any]) -> Any:
+    """`compute()` once per model (and name) while its K/V projections stay the same: what is derived
+    from those weights is shared by all the model's caches instead of rebuilt per cache. Computed again
+    when a projection's weights are replaced or edited in place."""
+    params = [t for pair in kv_projections(model) for proj in pair for t in (proj.weight, proj.bias) if t is not None]
+    version = tuple((id(t), t.data_ptr(), t._version) for t in params)
+    memo = _PER_MODEL.setdefault(model, {})
+    if name not in memo or memo[name][0] != version:
+        memo[name] = (version, compute())
+    return memo[name][1]
+
+
+def kv_digest(model: torch.nn.Module) -> str:
+    """sha256 over every layer's K and V projection weights and biases: tells two models of one shape
+    apart (a base model and its instruct tune), which the fingerprint cannot. Hashed as bf16, so the same
+    checkpoint loaded in float32, bf16 or float16 gives one digest. Hashed once per model while those
+    weights stay the same."""
+    return per_model(model, "kv_digest", lambda: _kv_digest(model))
+
+
+def _kv_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for pair in kv_projections(model):
+        for proj in pair:
+            for t in (proj.weight, proj.bias):
+                if t is not None:
+                    t = t.detach().to(torch.bfloat16).contiguous().cpu()
+                    h.update(f"{tuple(t.shape)}".encode())
+                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -415,6 +415,7 @@ class ResidualKVCache(Cache):
             config = config.replace(**changes)
         if codec is not None:
             codec.check_compatible(model.config)
+            codec.check_weights(model)
             codec.to(model.device)
             check_group_size(config.group_size, (codec.layer(i).dims.d_c for i in codec.layer_ids))
         n_layers, n_kv, head_dim = model_shape(model.config)

@@ -8,7 +8,8 @@ Note the order: each side is encoded, then subtracted; f_c is non-linear, so thi
 The "identity" kind is ResidualKV† (quantised raw residuals, no network).
 
 A saved codec is a directory with `codec.safetensors` (weights only) and `codec.json` (dims, cache
-config, the backbone's fingerprint, the weights' sha256), so it is never attached to the wrong model.
+config, the backbone's fingerprint, a digest of the K/V weights it was trained on, the weights' sha256),
+so it is never attached to the wrong model.
 """
 
 from __future__ import annotations
@@ -81,13 +82,14 @@ class ResidualCodec(nn.Module):
 
     def __init__(self, dims: CodecDims, layer_ids: list[int], config: ResidualKVConfig,
                  backbone: str = "", fingerprint: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                 layer_d_c: dict[int, int] | None = None):
+                 layer_d_c: dict[int, int] | None = None, kv_digest: str = ""):
         super().__init__()
         self.dims = dims
         self.config = config
         self.layer_ids = [int(i) for i in layer_ids]
         self.backbone = backbone
         self.fingerprint = dict(fingerprint or {})
+        self.kv_digest = kv_digest  # backbones.kv_digest of the model it was trained on ("" = untrained)
         self.extra = dict(extra or {})
         self.layer_d_c = {int(i): int(d) for i, d in (layer_d_c or {}).items() if int(d) != dims.d_c}
         unknown = sorted(set(self.layer_d_c) - set(self.layer_ids))
@@ -130,6 +132,7 @@ class ResidualCodec(nn.Module):
             "backbone": self.backbone,
             "fingerprint": self.fingerprint,
             "fingerprint_hash": fingerprint_hash(self.fingerprint) if self.fingerprint else "",
+            "kv_digest": self.kv_digest,
             "dims": {"d_kv": self.dims.d_kv, "d_c": self.dims.d_c, "d_ff": self.dims.d_ff, "kind": self.dims.kind},
             "layer_ids": self.layer_ids,
             "layer_d_c": {str(i): d for i, d in sorted(self.layer_d_c.items())},
@@ -149,7 +152,8 @@ class ResidualCodec(nn.Module):
         dims = CodecDims(**meta["dims"])
         codec = cls(dims, meta["layer_ids"], ResidualKVConfig.from_dict(meta["cache_config"]),
                     backbone=meta.get("backbone", ""), fingerprint=meta.get("fingerprint"), extra=meta.get("extra"),
-                    layer_d_c={int(i): d for i, d in meta.get("layer_d_c", {}).items()})
+                    layer_d_c={int(i): d for i, d in meta.get("layer_d_c", {}).items()},
+                    kv_digest=meta.get("kv_digest", ""))
         codec.load_state_dict(state)
         if model_config is not None:
             codec.check_compatible(model_config)
@@ -178,6 +182,17 @@ class ResidualCodec(nn.Module):
             if value is not None and int(value) != have[field]:
                 raise CodecError(f"{spell(field)} {value} but the codec in {source} has {field} {have[field]}; "
                                  f"drop {spell(field)} (a codec keeps its shape) or train a fresh codec")
+
+    def check_weights(self, model) -> None:
+        """Refuse a model of the right shape but other weights than the codec was trained on (the base
+        model for an instruct codec, a fine-tune): its keys and values are not the ones it learnt to code."""
+        from .backbones import kv_digest
+
+        if self.kv_digest and self.kv_digest != kv_digest(model):
+            raise CodecError(f"this codec was trained on {self.backbone or 'another model'}'s weights, and this model's "
+                             "K/V projections differ (same shape, other weights: a base model, a fine-tune); load the "
+                             "model it was trained on, or train a codec for this one (`rkv train --init-from` "
+                             "starts from this codec)")
 
     def check_compatible(self, model_config) -> None:
         from .backbones import fingerprint

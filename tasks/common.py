@@ -6,7 +6,7 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-from residualkv.backbones import fingerprint, fingerprint_hash, load_backbone
+from residualkv.backbones import fingerprint, fingerprint_hash, kv_digest, load_backbone
 from residualkv.cli import base_config
 
 _LOCK = threading.Lock()
@@ -25,7 +25,7 @@ def shared_backbone(ref: str):
 
 def backbone_identity(model, spec) -> dict[str, Any]:
     fp = fingerprint(model)
-    return {"name": spec.name if spec else "", "fingerprint_hash": fingerprint_hash(fp)}
+    return {"name": spec.name if spec else "", "fingerprint_hash": fingerprint_hash(fp), "weights": kv_digest(model)[:16]}
 
 
 def cache_defaults(spec):

@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from residualkv.backbones import fingerprint, fingerprint_hash, load_backbone
+from residualkv.backbones import fingerprint, fingerprint_hash, kv_digest, load_backbone
 from residualkv.cli import base_config, codecs_dir, resolve_codec
 from residualkv.codec import CodecError, ResidualCodec, parse_layer_d_c
 from residualkv.config import ResidualKVConfig
@@ -52,6 +52,7 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
     layer_d_c = parse_layer_d_c(config.get("layer_d_c") or [], coded, "train.layer_d_c")
     return {
         "backbone": spec.name if spec else "", "fingerprint": fingerprint_hash(fingerprint(model)),
+        "weights": kv_digest(model)[:16],  # a local backbone folder whose weights changed is another run
         "data": packed["fingerprint"], "seq_len": packed["seq_len"], "train": train,
         "budget_minutes": config.get("minutes"), "d_c": int(d_c), "d_ff": int(d_ff),
         "launch": config.get("launch"),  # another process layout is another run (the trainer resumes only its own)

@@ -227,6 +227,22 @@ def test_codec_save_load_and_refusals(tmp_path, tiny_model):
         ResidualCodec.load(path)
 
 
+def test_a_trained_codec_refuses_a_model_of_its_shape_with_other_weights(tmp_path, tiny_model):
+    from residualkv.backbones import kv_digest
+
+    cfg = ResidualKVConfig(full_attention_layers=(0,))
+    codec = _codec(tiny_model, cfg)
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(tiny_llama_config()).eval()  # same shape and rope: the fingerprint matches
+    ResidualKVCache.from_model(other, codec, cfg)  # untrained: no weights to be tied to
+    codec.kv_digest = kv_digest(tiny_model)  # as training records it
+    loaded = ResidualCodec.load(codec.save(tmp_path / "c"), model_config=other.config)
+    assert loaded.kv_digest == kv_digest(tiny_model)
+    ResidualKVCache.from_model(tiny_model, loaded, cfg)
+    with pytest.raises(CodecError, match="same shape, other weights"):
+        ResidualKVCache.from_model(other, loaded, cfg)
+
+
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_a_saved_folder_is_replaced_whole_and_a_failed_save_keeps_the_old_one(tmp_path, monkeypatch, exchange):
     from residualkv import saved

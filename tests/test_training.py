@@ -258,7 +258,7 @@ def test_bf16_warning_reads_the_cpus_bf16_units(monkeypatch, capsys, tmp_path, p
     assert cpu_has_native_bf16() is native
     model = tiny_model()
     train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=1, bf16=True), progress=False)
-    assert ("emulates bf16" in capsys.readouterr().out) is not native
+    assert ("emulates bf16" in capsys.readouterr().err) is not native
 
 
 def test_time_budget_plans_the_schedule_and_stops_cleanly(tmp_path, packed):
@@ -390,6 +390,10 @@ def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
     assert codec_path.parent.parent == tmp_path / "rkv-data" / "codecs" / "tiny-llama"
     assert result["steps"] == 3 and "eval/ppl_ratio" in result
     assert ResidualCodec.load(codec_path).extra["training"]["data"]["source"] == str(corpus)
+    from residualkv.backbones import kv_digest
+    from transformers import AutoModelForCausalLM
+
+    assert ResidualCodec.load(codec_path).kv_digest == kv_digest(AutoModelForCausalLM.from_pretrained(folder))
     assert len((codec_path.parent / "metrics.jsonl").read_text().splitlines()) >= 2
     # the same command again finds the finished run instead of starting over
     assert cli.main(argv) == 0

@@ -10,40 +10,20 @@ of the same shape (a fine-tune).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ..backbones import kv_digest
 from ..config import ConfigError
 from ..paths import data_dir
 from ..saved import read_folder, save_folder
-from .values import Predictor, kv_projections, per_model
+from .values import Predictor
 
 WEIGHTS, META = "starts.safetensors", "starts.json"
 FORMAT_VERSION = 1
 _LOADED: dict[tuple, "PredictorStarts"] = {}  # (folder, its files' mtimes and sizes) -> starts, the last 8 read
-
-
-def kv_digest(model) -> str:
-    """sha256 over every layer's K and V projection weights and biases: what a start depends on (hashed
-    once per model while those weights stay the same: every cache build with learnt starts asks)."""
-    return per_model(model, "kv_digest", lambda: _kv_digest(model))
-
-
-def _kv_digest(model) -> str:
-    h = hashlib.sha256()
-    for pair in kv_projections(model):
-        for proj in pair:
-            for t in (proj.weight, proj.bias):
-                if t is not None:
-                    t = t.detach().float().contiguous().cpu()
-                    h.update(f"{tuple(t.shape)}".encode())
-                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def starts_root() -> Path:

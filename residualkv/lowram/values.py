@@ -10,10 +10,11 @@ tokens f predicts worst keep their residual v - f(k); the dense values are dropp
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
+
+from ..backbones import kv_projections, per_model
 
 
 class Predictor(NamedTuple):
@@ -52,24 +53,6 @@ def slim_init(k_proj: torch.nn.Linear, v_proj: torch.nn.Linear, n_kv: int, head_
     return w_lin.float(), (bias(v_proj) - bias(k_proj) @ w_lin).float()
 
 
-_PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple]]" = weakref.WeakKeyDictionary()
-
-
-def kv_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:
-    """(k_proj, v_proj) of every layer: what LowRAM's predictor starts are derived from."""
-    return [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in getattr(model, "model", model).layers]
-
-
-def per_model(model: torch.nn.Module, name: str, compute: Callable[[], Any]) -> Any:
-    """`compute()` once per model (and name) while its K/V projections stay the same: what LowRAM derives
-    from those weights is shared by all the model's caches instead of rebuilt per cache. Computed again
-    when a projection's weights are replaced or edited in place."""
-    params = [t for pair in kv_projections(model) for proj in pair for t in (proj.weight, proj.bias) if t is not None]
-    version = tuple((id(t), t.data_ptr(), t._version) for t in params)
-    memo = _PER_MODEL.setdefault(model, {})
-    if name not in memo or memo[name][0] != version:
-        memo[name] = (version, compute())
-    return memo[name][1]
 
 
 def slim_starts(model: torch.nn.Module, n_kv: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
+from ..backbones import kv_digest
 from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
 from ..config import InputError
@@ -389,6 +390,7 @@ class CodecTrainer:
             self._say("warning: --bf16 on a CPU without AMX or AVX512-BF16 emulates bf16 matmuls and runs slower "
                       "than fp32 (about 100x on an AMD EPYC Milan, BENCHMARKS.md); drop --bf16 here")
         freeze_backbone(model)
+        codec.kv_digest = kv_digest(model)  # learnt on this model's weights from here on (a start too)
         if config.grad_checkpointing:
             enable_mlp_checkpointing(model)
         if config.init == "zero-decoder":
