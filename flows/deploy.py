@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
@@ -139,6 +140,17 @@ def serve(profile: str, *, run_now: bool = False, run_once: bool = False, timeou
         asyncio.run(runner.start())
         return 0
     deadline = time.monotonic() + timeout
+    started_after = datetime.now(timezone.utc)
+
+    async def due_runs():
+        """The runs of this deployment the runner started (scheduled ones that were due)."""
+        from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                    FlowRunFilterStartTime)
+
+        async with get_client() as client:
+            return await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started_after)))
 
     async def once():
         async with get_client() as client:
@@ -153,8 +165,13 @@ def serve(profile: str, *, run_now: bool = False, run_once: bool = False, timeou
         return None
 
     state = asyncio.run(once())
-    if flow_run is None:
-        return 0
+    if flow_run is None:  # no run of its own: the exit status is that of the due runs it executed
+        ran = asyncio.run(due_runs())
+        for run in ran:
+            print(f"[rkv deploy] flow run {run.name}: {run.state.type.value if run.state else '?'}", flush=True)
+        if not ran:
+            print("[rkv deploy] no scheduled run was due", flush=True)
+        return 0 if all(run.state is not None and run.state.is_completed() for run in ran) else 1
     print(f"[rkv deploy] flow run {flow_run.name}: {state.type.value if state else 'not finished before the timeout'}",
           flush=True)
     return 0 if state is not None and state.is_completed() else 1
@@ -218,7 +235,8 @@ def deploy_command(profile: str, *, run_now: bool, run_once: bool, timeout: floa
         return serve(profile, run_now=run_now, run_once=run_once, timeout=timeout)
     if work_pool:
         print("[rkv deploy] --work-pool needs a long-lived server: set PREFECT_API_URL (e.g. start "
-              "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL=http://127.0.0.1:4200/api)")
+              "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL=http://127.0.0.1:4200/api)",
+              file=sys.stderr)
         return 2
     print("[rkv deploy] PREFECT_API_URL is not set: starting a local Prefect server on 127.0.0.1", flush=True)
     with local_prefect_server(port=port) as api_url:

@@ -157,6 +157,11 @@ def test_scheduled_retraining_deployment_runs_once_on_a_prefect_server(tmp_path,
         assert proc.returncode == 0, out[-6000:]
         assert "deployment rkv-retrain/retrain-micro" in out and ": COMPLETED" in out
         print(f"\n[deploy] deployment + one scheduled-flow run took {time.monotonic() - t0:.0f}s")
+        # --run-once alone executes the runs that are due and exits with their status: none is due here
+        idle = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--profile", str(profile), "--run-once",
+                               "--timeout", "120"], cwd=REPO, env=isolated_env(data, PREFECT_API_URL=api),
+                              capture_output=True, text=True, timeout=300)
+        assert idle.returncode == 0 and "no scheduled run was due" in idle.stdout, idle.stdout[-3000:] + idle.stderr[-3000:]
 
         # the server holds the deployment with the repo's cron schedule, and the completed run
         facts = asyncio.run(_deployment_facts(api))
