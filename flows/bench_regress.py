@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -173,7 +174,11 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
                                                paired=sorted({c.quantity for c in checks})),
                            measured=measured, rows=result["rows"], paired=checks, paired_note=note)
     if log_to_mlflow:
-        _log(report, mv, tolerance, nll_tolerance)
+        try:
+            _log(report, mv, tolerance, nll_tolerance)
+        except Exception as error:  # noqa: BLE001 - the verdict stands; a CI gate must not read this as a regression
+            print(f"bench-regress: the outcome could not be recorded in MLflow ({type(error).__name__}: {error}); "
+                  "the verdict below stands", file=sys.stderr)
     return report
 
 

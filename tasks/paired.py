@@ -97,12 +97,17 @@ def stored_predictions(mv) -> list[dict[str, Any]] | None:
     """The per-sample predictions the pipeline logged beside a version's benchmark (None for versions without)."""
     if not getattr(mv, "run_id", None):
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = retrying(client().download_artifacts, mv.run_id, PREDICTIONS_ARTIFACT, tmp)
-        except Exception:  # noqa: BLE001 - absent artifact: the caller falls back to the fixed tolerance
-            return None
-        return read_predictions(path)
+    folder = PREDICTIONS_ARTIFACT.rpartition("/")[0]
+    try:
+        listed = retrying(client().list_artifacts, mv.run_id, folder)
+        if not any(f.path == PREDICTIONS_ARTIFACT for f in listed):
+            return None  # a version registered without them: the caller falls back to the fixed tolerance
+        with tempfile.TemporaryDirectory() as tmp:
+            return read_predictions(retrying(client().download_artifacts, mv.run_id, PREDICTIONS_ARTIFACT, tmp))
+    except Exception as error:  # noqa: BLE001 - an outage is not "no predictions": the caller stops (exit 2)
+        raise registry.RegistryError(f"could not read the per-sample predictions of {mv.name} v{mv.version} "
+                                     f"(run {mv.run_id}) from the artifact store: {type(error).__name__}: {error}; "
+                                     "check the store and try again") from error
 
 
 def baseline_of(mv, suite: Mapping[str, Any], remeasure: Callable[[str], Mapping[str, Any]],
