@@ -26,7 +26,7 @@ from typing import Any
 from transformers import DynamicCache
 
 from .cache import KiviLayer, OmniKVCache, ResidualKVCache, ResidualLayer
-from .stores import nbytes_of
+from .stores import kivi_value_group, nbytes_of
 
 
 def q_bits(bits: int, group: int) -> float:
@@ -236,8 +236,9 @@ def _report_residual(cache: ResidualKVCache) -> dict[str, Any]:
         # FP16 window tokens cost 1.0 instead of q_full
         win = comp.get("full_layer_window_fp16", 0)
         gap["full_layer_window_fp16"] = win * (1 - q_bits(cfg.full_bits, cfg.full_group_size)) / fp16
-        # a KIVI value group never spans two heads: heads narrower than full_group_size take smaller groups
-        vg = min(cfg.full_group_size, cache.head_dim)
+        # a KIVI value group never spans two heads: heads narrower than full_group_size, or not a multiple
+        # of it, take smaller groups
+        vg = kivi_value_group(cfg.full_group_size, cache.head_dim)
         if vg != cfg.full_group_size:
             value_coords = comp.get("full_layer_codes", 0) * 8 // cfg.full_bits // 2  # half the codes are values
             gap["full_layer_value_groups"] = value_coords * 2 * (2 / vg - 2 / cfg.full_group_size) / fp16

@@ -619,6 +619,18 @@ class RowStores:
         return sum(s.spare_bytes() for s in self.stores)
 
 
+def kivi_value_group(full_group_size: int, head_dim: int) -> int:
+    """KIVI values are grouped along head_dim: full_group_size coordinates, or the largest power of two
+    below it that divides the head (16 for head_dim 80 or 48: the groups must tile it); a head smaller
+    than a group is one group. The accounting reports the extra scales as a gap."""
+    if head_dim <= full_group_size:
+        return head_dim
+    g = full_group_size
+    while head_dim % g:
+        g //= 2
+    return g
+
+
 class KiviStore:
     """KIVI-style full-attention layer: keys quantised per channel over groups of tokens, values per
     token; the newest tokens wait in an FP16 window until a whole group can be quantised. The window
@@ -653,8 +665,7 @@ class KiviStore:
         self._vq.append(vq)
 
     def value_group(self, head_dim: int) -> int:
-        """Values are grouped along head_dim; a head smaller than a group is one group."""
-        return min(self.cfg.full_group_size, head_dim)
+        return kivi_value_group(self.cfg.full_group_size, head_dim)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # decoded straight into one buffer per half (keys through a transposed view): every step

@@ -210,6 +210,23 @@ def test_accounting_explains_every_byte():
     assert rep["spare_bytes"] > 0 and abs(rep["unexplained"]) < 1e-9
 
 
+@pytest.mark.parametrize("head_dim", [48, 80])
+def test_kivi_layers_on_heads_that_are_not_a_multiple_of_the_group(head_dim):
+    """Value groups must tile a head: 48 or 80 coordinates take groups of 16, and every byte is explained."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(head_dim=head_dim)).eval()
+    cache = build_cache("kivi2", model, None, None)
+    ids = torch.randint(0, 128, (1, 70))
+    with torch.no_grad():
+        model(input_ids=ids[:, :60], cache=cache, use_cache=True)
+        for t in range(60, 70):  # past the FP16 window: groups quantised while decoding
+            model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+    store = cache.layers[0].stores[0]
+    assert store.value_group(head_dim) == 16 and store.vq is not None
+    rep = accounting.report(cache)
+    assert rep["gap"]["full_layer_value_groups"] > 0 and abs(rep["unexplained"]) < 1e-9
+
+
 def test_codec_save_load_and_refusals(tmp_path, tiny_model):
     cfg = ResidualKVConfig(full_attention_layers=(0,))
     codec = _codec(tiny_model, cfg)

@@ -352,6 +352,7 @@ KIVI_CASES = [  # B, H, Hq, D, writes
     (1, 2, 8, 32, [33, 1, 1, 30]),  # prefill then decode steps; GQA 4
     (2, 1, 2, 32, [64]),  # whole groups, empty window
     (2, 2, 4, 32, [40, 30, 64, 1, 33]),  # groups appended in place: every (b, h) strided past its spare room
+    (1, 2, 4, 80, [70, 1]),  # a head of 80 coordinates: value groups of 16 (stores.kivi_value_group)
 ]
 
 
