@@ -176,9 +176,12 @@ def test_rec_only_ablation_and_rec_reductions(tmp_path, packed):
     with torch.no_grad():
         s = CodecObjective(model, codec, fast(loss="rec"))(ids)
         m = CodecObjective(model, codec, fast(loss="rec", rec_reduction="mean"))(ids)
+        lm = CodecObjective(model, codec, fast(loss="rec", rec_reduction="layer-mean"))(ids)
     assert float(s["ntp"]) == 0.0 and float(s["loss"]) == float(s["rec"])
     n_coords = SEQ * len(codec.layer_ids) * codec.dims.d_kv  # per sequence
     assert float(m["rec"]) == pytest.approx(float(s["rec"]) / n_coords, rel=1e-5)
+    # the authors' code: each layer's MSE, summed over the layers
+    assert float(lm["rec"]) == pytest.approx(float(m["rec"]) * len(codec.layer_ids), rel=1e-5)
 
     probe = torch.tensor(packed.heldout[0:4]["input_ids"])
     before = _objective_on(model, codec, probe)

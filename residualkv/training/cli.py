@@ -47,7 +47,9 @@ def register(subparsers) -> None:
                         "or 'served' (a prompt prefilled exact, the rest scored through its compressed history; the "
                         "codec is then served with new_kv exact)")
     t.add_argument("--rec-reduction", default="sum", choices=REC_REDUCTIONS,
-                   help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE")
+                   help="sum: the seed's sum of squares per sequence; mean: per-coordinate MSE (the recipes in "
+                        "BENCHMARKS.md); layer-mean: each layer's MSE summed over the layers, as the authors' code "
+                        "(= mean x the number of coded layers, 25 on SmolLM2)")
     t.add_argument("--rec-weight", type=float, default=1.0, help="L = rec_weight * L_rec + L_ntp")
     t.add_argument("--init", default="default", choices=INITS,
                    help="rec-warmstart: fit L_rec on captured true KV before the joint phase; fisher-pca: "

@@ -60,7 +60,7 @@ LOSSES = ("rec+ntp", "rec", "ntp", "rec+kd")
 # reading that compressed history: `new_kv: exact`, how a serving engine prefills; not in the seed)
 READINGS = ("reconstructed", "served")
 INITS = ("default", "zero-decoder", "rec-warmstart", "fisher-pca", "codec")
-REC_REDUCTIONS = ("sum", "mean")
+REC_REDUCTIONS = ("sum", "mean", "layer-mean")
 CHECKPOINTS = "checkpoints"
 CODEC = "codec"
 STATE = "trainer_state.json"
@@ -240,6 +240,9 @@ class CodecObjective(nn.Module):
         B, T = input_ids.shape
         if self.rec_reduction == "sum":  # the seed's sum over layers and tokens, per sequence
             return total / B
+        if self.rec_reduction == "layer-mean":  # the authors' code: each layer's MSE, summed over the layers
+            return total / (B * T * self.codec.dims.d_kv)
+        # every coordinate's MSE: 1/(coded layers) of layer-mean's weight
         return total / (B * T * len(self.codec.layer_ids) * self.codec.dims.d_kv)
 
 
