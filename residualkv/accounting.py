@@ -135,9 +135,12 @@ def _report_omnikv(cache: OmniKVCache) -> dict[str, Any]:
     kv = comp.get("kv_fp16", 0)
     total = sum(comp.values())
     as_held = total - kv + sum(nbytes_of(s.k, s.v) for layer in cache.layers for s in layer.stores)  # the model's dtype
-    return {"kr_measured": kv / fp16 if fp16 else 1.0, "kr_formula": 1.0, "bytes": comp, "total_bytes": total,
-            **_beside(cache, total, fp16, stored_as_held=as_held), "fp16_bytes": fp16, "gap": {"positions": comp.get("positions", 0) / fp16} if fp16 else {}, "unexplained": 0.0,
-            **_sparse_report(cache)}
+    # every stored byte counts, positions too, as in the ResidualKV report: the formula's 1.0 plus that gap
+    kr = total / fp16 if fp16 else 1.0
+    gap = {"positions": comp.get("positions", 0) / fp16} if fp16 else {}
+    return {"kr_measured": kr, "kr_formula": 1.0, "bytes": comp, "total_bytes": total,
+            **_beside(cache, total, fp16, stored_as_held=as_held), "fp16_bytes": fp16, "gap": gap,
+            "unexplained": kr - 1.0 - sum(gap.values()), **_sparse_report(cache)}
 
 
 def _report_lowram(cache) -> dict[str, Any]:

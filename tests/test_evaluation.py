@@ -478,7 +478,9 @@ def test_every_registered_method_runs_through_the_harness(tiny_lm, tok, tmp_path
     assert by["kivi2"]["latent_bits"] is None and by["residualkv-dagger"]["codec_bits"] is None
     assert "residualkv-int2 serves INT2 latents from a codec trained at INT4" in capsys.readouterr().err
     for r in rows:
-        assert 0 < r["kr_measured"] <= 1.0 and 0 < r["cr"] <= 1.0 and r["ppl"] > 0, r["method"]
+        # OmniKV keeps the FP16 cache and its positions: a little over 1
+        assert 0 < r["kr_measured"] <= (1.02 if r["method"] == "omnikv" else 1.0), r["method"]
+        assert 0 < r["cr"] <= 1.0 and r["ppl"] > 0, r["method"]
         # memory kept beside the stored bytes: none here (LowRAM-SR's buffer needs a prompt it selects from)
         assert r["working_vs_fp16"] == 0.0, r["method"]
 

@@ -570,7 +570,9 @@ def test_omnikv_baseline_on_the_full_cache(model):
     small = build_cache("omnikv", model, None, CFG, select_budget=8, n_recent=4)
     _generate(model, ids, small, n=10)
     rep = accounting.report(small)
-    assert rep["kr_measured"] == 1.0 and rep["cr_per_layer"][2] == pytest.approx(14 / 104.0, rel=0.05)
+    # the FP16 cache plus the positions it stores, explained to the byte
+    assert rep["kr_measured"] == pytest.approx(1.0 + rep["gap"]["positions"]) and rep["unexplained"] == 0.0
+    assert 0 < rep["gap"]["positions"] < 0.02 and rep["cr_per_layer"][2] == pytest.approx(14 / 104.0, rel=0.05)
     assert rep["tokens_reconstructed_per_step"] == [0] * 9  # nothing to decode: exact K/V are gathered
 
 
