@@ -696,6 +696,14 @@ def test_stride_variants(tiny_lm):
     base, dense = reps["residualkv-standalone"]["bytes"], reps["residualkv-standalone-s5"]["bytes"]
     assert dense["references"] > base["references"] and dense["latent_codes"] < base["latent_codes"]
 
+    # -aNN: the seed's dynamic stride, alpha = NN/1000; references thin out along the prompt, bytes explained
+    assert known_method("residualkv-a1") and known_method("residualkv-standalone-s5-a100")
+    assert not known_method("residualkv-a1-s5") and not known_method("omnikv-a1")
+    grown = _generated(tiny_lm, codec, "residualkv-standalone-a100")
+    assert grown.rows.schedule.alpha == 0.1 and grown.rows.schedule.stride == 10
+    rep = measure(grown)
+    assert rep["bytes"]["references"] < base["references"] and abs(rep["unexplained"]) < 1e-9
+
 
 # ---------------------------------------------------------------------------------------------
 # the gold answer's NLL, teacher-forced through each cache

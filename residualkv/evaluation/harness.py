@@ -57,17 +57,21 @@ from .stats import mean_difference, rel_score_interval
 
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix, as VARIANTS_HELP tells the CLIs' users: -rNN (select_ratio), then on
-# ResidualKV methods only -wNN, -gNN, -sNN (the _CODEC_SUFFIXES' config fields), in this order; on LowRAM
+# ResidualKV methods only -wNN, -gNN, -sNN, -aNN (the _CODEC_SUFFIXES' config fields), in this order; on LowRAM
 # methods -kNN (evict_keep, where the method evicts) then -fNN (fit_steps)
 _VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?"
-                      r"(?:-s(?P<stride>\d+))?(?:-k(?P<keep>\d+))?(?:-f(?P<fit>\d+))?$")
-_CODEC_SUFFIXES = {"window": "recent_window", "group": "group_size", "stride": "stride"}
+                      r"(?:-s(?P<stride>\d+))?(?:-a(?P<alpha>\d+))?(?:-k(?P<keep>\d+))?(?:-f(?P<fit>\d+))?$")
+# config field and how the suffix's integer reads: -aNN is the seed's dynamic-stride growth alpha in thousandths
+_CODEC_SUFFIXES = {"window": ("recent_window", int), "group": ("group_size", int), "stride": ("stride", int),
+                   "alpha": ("stride_alpha", lambda n: int(n) / 1000)}
 # what the CLIs print about the names above (argparse help: escape the % signs)
 VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN select NN% of the history per "
                  "decode step; residualkv-snapkv-rNN keeps NN% of the prompt on the compressed layers; on a "
                  "residualkv method, then, -wNN holds the newest NN tokens of its compressed layers in FP16, -gNN "
-                 "quantises its latents in groups of NN, -sNN places a reference every NN tokens "
-                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10); on a lowram "
+                 "quantises its latents in groups of NN, -sNN places a reference every NN tokens, -aNN lets that "
+                 "stride grow with the position by alpha = NN/1000 (the seed's long-context setting: -a1) "
+                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10, residualkv-a1); on a "
+                 "lowram "
                  "method -fNN fits each context in NN Adam steps (lowram-warm-f25), and on an evicting one (lowram-e, "
                  "lowram-eq) -kNN keeps NN% of the prompt (lowram-eq-k25)")
 _RATIO_BASES = ("residualkv", "residualkv-reuse", "omnikv", "residualkv-snapkv")
@@ -100,7 +104,7 @@ def _variant(name: str) -> tuple[str, dict[str, Any]] | None:
         if base not in _RATIO_BASES or not 0 < int(m["ratio"]) <= 100:
             return None
         changes["select_ratio"] = int(m["ratio"]) / 100
-    codec_changes = {field: int(m[g]) for g, field in _CODEC_SUFFIXES.items() if m[g] is not None}
+    codec_changes = {field: read(m[g]) for g, (field, read) in _CODEC_SUFFIXES.items() if m[g] is not None}
     if codec_changes:
         METHODS = _methods()
         if base not in METHODS or not METHODS[base].needs_codec:  # the codec methods are the ResidualKV ones
