@@ -1,10 +1,8 @@
 """Quantise-and-pack of new latents on write (seed §2.4), bit-exact with `residualkv.quant.quantize`.
 
 Reference: `residualkv.quant.quantize(x, bits, group)` - the library's own CPU path - with its FP16
-minimum rounded toward -inf and scale toward +inf as its docstring specifies. (At the time of writing
-`quant._grid` passes ±1.0 as nextafter's target, which rounds a minimum below -1 up and a scale above
-1 down; the kernel follows the documented rule, and tests/test_kernels.py checks it against the
-library with that one argument corrected, plus an xfail that turns green once the library is fixed.)
+minimum rounded toward -inf and scale toward +inf (`quant._round_fp16`); tests/test_kernels.py checks
+the kernel's bytes against it.
 
 The last dim is cut into groups of `group` coordinates that never cross tokens, so a contiguous
 [..., d] tensor is simply M = numel / group groups laid end to end: the kernel sees a [M, group]

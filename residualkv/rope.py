@@ -2,7 +2,9 @@
 
 ResidualKV compares and compresses *pre-RoPE* keys (seed §2.1). transformers hands the cache keys
 that are already rotated, so the cache rebuilds the model's own cos/sin (same rotary module, same
-positions, hence the same numbers, rope scaling included) and applies the exact inverse. A
+positions, rope scaling included) in float32 and applies the inverse. Under a float32 model that is the
+model's own rotation exactly; a bf16 model rotates with bf16 tables, so the recovered pre-RoPE key
+carries bf16's rounding (~0.3% relative, about what the model's own tables would give). A
 reconstructed key is rotated with the position of the token it belongs to, never a reference's.
 """
 
