@@ -61,6 +61,25 @@ def write_dir_atomically(directory: str | Path, write: Callable[[Path], None]) -
     return directory
 
 
+def write_file_atomically(path: str | Path, text: str) -> Path:
+    """Write `text` to a hidden sibling, flush it, and rename it over `path`: readers see the old file or
+    the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are shared like the rest of the data dir
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from residualkv.paths import data_dir
+from residualkv.saved import write_dir_atomically, write_file_atomically
 
 TINY_DEFAULTS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 8192, "seed": 0,
@@ -67,10 +65,7 @@ def ensure_tiny_backbone(entry: dict[str, Any]) -> Path:
             "notes": f"tiny random Llama (seed {params['seed']}) with the {tokenizer_from} tokenizer, for smoke runs"}
     text = yaml.safe_dump(spec, sort_keys=False)
     if not yaml_path.is_file() or yaml_path.read_text() != text:
-        fd, tmp = tempfile.mkstemp(prefix=".tiny.", dir=root)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, yaml_path)
+        write_file_atomically(yaml_path, text)
     return yaml_path
 
 
@@ -90,14 +85,4 @@ def _write_tiny(folder: Path, params: dict[str, Any], tokenizer_from: str) -> No
     with torch.random.fork_rng():
         torch.manual_seed(int(params["seed"]))
         model = LlamaForCausalLM(config).eval()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_dir_atomically(folder, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))

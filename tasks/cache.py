@@ -17,12 +17,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from residualkv.paths import data_dir
+from residualkv.saved import write_file_atomically
 
 RESULT = "result.json"
 
@@ -62,11 +61,7 @@ def read_result(folder: Path) -> dict[str, Any] | None:
 
 
 def write_result(folder: Path, result: dict[str, Any]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".result.", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, folder / RESULT)
+    write_file_atomically(folder / RESULT, json.dumps(result, indent=2, sort_keys=True, default=str))
 
 
 def cached_step(step: str, payload: dict[str, Any], compute: Callable[[Path], dict[str, Any]], *,

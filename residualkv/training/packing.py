@@ -19,9 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,6 +27,7 @@ from typing import Any, Iterator
 from ..config import InputError
 from ..data import is_heldout, offline_documents
 from ..paths import data_dir, hub_unreachable
+from ..saved import write_dir_atomically
 
 PACKING_VERSION = 1  # bump when the packing rule changes, so old packed sets are not reused
 DOCS_PER_BATCH = 1000  # documents per `map` batch; at most seq_len-1 tokens are dropped per batch
@@ -288,19 +287,12 @@ def _pack_batch(batch: dict[str, list], seq_len: int) -> dict[str, list]:
 
 
 def _save_atomically(dataset_dict, meta: dict[str, Any], folder: Path) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; packed data is shared like the rest of data_dir()
-    try:
+    def write(tmp: Path) -> None:
         dataset_dict.save_to_disk(str(tmp / "splits"))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        if folder.exists():  # a concurrent run finished first: its copy is identical
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    if not folder.exists():  # else a concurrent run finished first: its copy is identical
+        write_dir_atomically(folder, write)
 
 
 def _load(folder: Path) -> PackedData:

@@ -30,11 +30,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +48,7 @@ from ..backbones import kv_digest
 from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
 from ..config import InputError
+from ..saved import write_dir_atomically
 from .packing import insert_recalls
 from .warmstart import coding_config
 
@@ -617,17 +616,19 @@ class CodecTrainer:
         final = root / f"step-{self.state.step}"
         if final.exists():  # e.g. the end of a run that resumed exactly here
             return
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is as readable as its run folder
         codec = self.accelerator.unwrap_model(self.objective).codec
-        save_file({k: v.detach().contiguous().cpu() for k, v in codec.state_dict().items()}, str(tmp / "codec.safetensors"))
-        torch.save(self.optimizer.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(_rng_states(), tmp / "rng.pt")
         state = dataclasses.asdict(self.state) | {"config": self.config.to_dict(), "data": self.data_info,
                                                  "num_processes": self.accelerator.num_processes}
-        (tmp / STATE).write_text(json.dumps(state, indent=1))  # last: its presence marks a whole checkpoint
-        os.replace(tmp, final)
+
+        def write(tmp: Path) -> None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in codec.state_dict().items()},
+                      str(tmp / "codec.safetensors"))
+            torch.save(self.optimizer.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(_rng_states(), tmp / "rng.pt")
+            (tmp / STATE).write_text(json.dumps(state, indent=1))  # last: its presence marks a whole checkpoint
+
+        write_dir_atomically(final, write)
         for old in self._checkpoints()[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".step-*"):  # temporary folders of a run killed mid-write
