@@ -45,7 +45,7 @@ def _verify(path: Path, mv, uri: str, model_config) -> ResidualCodec:
     if got != want:
         raise RegistryError(f"{uri} (v{mv.version}) is corrupted: {WEIGHTS} has sha256 {got[:12]}… but the version "
                             f"was registered with {want[:12]}…; refusing to serve it. Re-register the codec or roll "
-                            "the alias back to a good version")
+                            f"the alias back to a good version (`rkv registry alias {mv.name} ALIAS VERSION`)")
     meta_want = tags.get("codec_json_sha256")
     if meta_want and sha256_file(path / META) != meta_want:
         raise RegistryError(f"{uri} (v{mv.version}) is corrupted: {META} was changed after registration; refusing to serve it")

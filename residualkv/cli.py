@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `rkv run / bench-regress / deploy` live with the flows, which own Prefect and MLflow; flows.cli
     # imports neither until a command runs, so the library stays free of them
     importlib.import_module("flows.cli").register(sub)
+    importlib.import_module("registry.cli").register(sub)  # `rkv registry`: likewise, MLflow only when it runs
     return p
 
 

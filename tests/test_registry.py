@@ -397,3 +397,37 @@ def test_the_champion_baseline_comes_with_its_stored_predictions(store, tmp_path
     assert bare["predictions"] is None
     assert judge_paired(candidate, None, "residualkv", 0.01, side="champion") == (
         [], "no per-sample predictions stored for the champion")
+
+
+def test_rkv_registry_lists_shows_and_rolls_an_alias_back(store, tmp_path, capsys):
+    """A platform team's view: the versions, one version's tags, and a rollback of `champion` to an earlier
+    version, refused for a version whose artifacts no longer verify."""
+    from residualkv.cli import main
+
+    first = store.register_codec(make_codec(tmp_path / "a", seed=1), metrics={"rel_score": 0.9, "kr_measured": 0.2})
+    second = store.register_codec(make_codec(tmp_path / "b", seed=2), metrics={"rel_score": 0.8, "kr_measured": 0.2})
+    name = first.name
+    assert main(["registry", "alias", name, "champion", second.version]) == 0
+    assert "@champion: unset -> v2" in capsys.readouterr().out
+    assert main(["registry", "alias", name, "champion", first.version]) == 0  # the rollback
+    assert f"{name}@champion: v2 -> v1" in capsys.readouterr().out
+    mv = store.get_version(f"models:/{name}@champion")
+    assert str(mv.version) == "1" and "rkv.champion_set_by_hand" in mv.tags
+
+    assert main(["registry", "list", name]) == 0
+    listing = capsys.readouterr().out
+    assert "champion" in listing and "0.9000" in listing and "0.8000" in listing
+    assert main(["registry", "list"]) == 0 and f"{name}  (@candidate=v2, @champion=v1)" in capsys.readouterr().out
+    assert main(["registry", "show", f"models:/{name}@champion"]) == 0
+    import json
+
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["version"] == "1" and shown["complete"] and "champion" in shown["aliases"]
+
+    # a version whose stored weights were damaged is never pointed at
+    weights = Path(store.get_version(f"models:/{name}/2").source.removeprefix("file://")) / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    assert main(["registry", "alias", name, "champion", "2"]) == 2
+    assert "is corrupted" in capsys.readouterr().err
+    assert str(store.get_version(f"models:/{name}@champion").version) == "1"
+    assert main(["registry", "list", "no-such-model"]) == 2
