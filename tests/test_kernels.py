@@ -109,6 +109,20 @@ def test_quantize_pack_bit_exact(bits, shape):
         assert (err <= half_step + z.float().abs() * 2.0**-21 + 1e-30).all()  # + float32 rounding
 
 
+@pytest.mark.parametrize("group", [16, 64])
+def test_quantize_pack_other_group_sizes(group):
+    """-gNN serves latents in other groups: powers of two run on the kernel, bit-exact; others (80 for
+    d_c 160) fall back to the library under impl="auto" and are refused by name under impl="triton"."""
+    z = _latents((3, 5, 128), seed=group)
+    for bits in (2, 4):
+        got, want = quantize_pack(z, bits, group, impl="triton"), quant.quantize(z.cpu(), bits, group)
+        assert all(_same_bytes(a, b) for a, b in zip(got, want)), (group, bits)
+    wide = _latents((2, 160), seed=80)
+    assert all(_same_bytes(a, b) for a, b in zip(quantize_pack(wide, 4, 80), quant.quantize(wide.cpu(), 4, 80)))
+    with pytest.raises(ValueError, match="group_size=80, a power of two"):
+        quantize_pack(wide, 4, 80, impl="triton")
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_quantize_pack_matches_library_as_is(bits):
     z = _latents((2, 33, 64), seed=bits)
@@ -147,6 +161,7 @@ TOPK_CASES = [  # B, T, R, d, k
     (1, 33, 70, 96, 4),  # several reference tiles, d not a multiple of the d-block
     (2, 17, 40, 32, 2),
     (1, 5, 0, 64, 4),  # no references yet
+    (1, 9, 20, 64, 1), (2, 9, 20, 64, 3), (1, 9, 20, 48, 5),  # other k (odd ones too), a narrower head
 ]
 
 
@@ -225,6 +240,7 @@ RECON_CASES = [  # B, C, R, H, D, d_c, n_sel
     (1, 4, 3, 2, 32, 64, 1),
     (2, 40, 6, 1, 64, 32, 33),
     (2, 9, 5, 2, 32, 64, 0),  # empty index set
+    (1, 12, 4, 2, 48, 32, 5),  # a head of 48 coordinates (not a power of two)
 ]
 
 
