@@ -76,10 +76,9 @@ def cmd_bench_regress(args) -> int:
 
     import registry
 
-    from .bench_regress import bench_regress
-
     from registry import env
 
+    from .bench_regress import bench_regress
     from .profiles import load_profile
 
     prof = load_profile(args.profile)
