@@ -5,7 +5,7 @@ A registered version carries everything serving and auditing need:
   artifacts (of the run that produced it)   codec/codec.safetensors, codec/codec.json (dims, cache
                                             config, backbone fingerprint, weights sha256), plus any
                                             tables and plots the pipeline adds (kr_cr.csv, benchmark.json, ...)
-  version tags                              backbone, fingerprint_hash, sha256, codec_json_sha256,
+  version tags                              backbone, fingerprint_hash, kv_digest, sha256, codec_json_sha256,
                                             metric.<name> for every metric (kr_measured, cr, rel_score, ...),
                                             rkv.suite (the benchmark suite that produced the metrics)
   run metrics                               the same metrics, on the version's run
@@ -142,6 +142,8 @@ def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: M
         version_tags = {
             "backbone": backbone,
             "fingerprint_hash": meta.get("fingerprint_hash", ""),
+            # the K/V weights it was trained on (backbones.kv_digest; "" for an untrained codec)
+            "kv_digest": meta.get("kv_digest", ""),
             "sha256": meta.get("weights_sha256", ""),
             "codec_json_sha256": local_shas[META],
             "codec_kind": meta.get("dims", {}).get("kind", ""),
@@ -460,6 +462,10 @@ def _decide(rule: PromotionRule, cand, cand_m, champ, champ_m, fresh_champion: b
     if (champ.tags or {}).get("fingerprint_hash") != (cand.tags or {}).get("fingerprint_hash"):
         return False, ("candidate was trained for another backbone fingerprint than the champion; register it "
                        "under its own model name")
+    theirs, ours = (champ.tags or {}).get("kv_digest"), (cand.tags or {}).get("kv_digest")
+    if theirs and ours and theirs != ours:
+        return False, ("candidate was trained on other weights of the same shape than the champion (another "
+                       "checkpoint of the backbone); register it under its own model name")
     if not fresh_champion and version_suite(champ) != version_suite(cand):
         return False, ("champion and candidate were benchmarked on different suites; re-evaluate the champion "
                        "on the candidate's suite and pass champion_metrics")

@@ -16,11 +16,12 @@ from residualkv.config import ResidualKVConfig
 from tests.conftest import tiny_llama_config
 
 
-def make_codec(directory: Path, *, seed: int = 0, backbone: str = "tiny-llama", layer_d_c=None,
+def make_codec(directory: Path, *, seed: int = 0, backbone: str = "tiny-llama", layer_d_c=None, kv_digest: str = "",
                **config_overrides) -> Path:
     cfg = tiny_llama_config(**config_overrides)
     codec = ResidualCodec.for_model(cfg, ResidualKVConfig(full_attention_layers=(0,)), d_c=32, d_ff=64,
                                     backbone=backbone, seed=seed, layer_d_c=layer_d_c)
+    codec.kv_digest = kv_digest  # as training records it (the digest of the model's K/V weights)
     return codec.save(directory)
 
 
@@ -119,6 +120,14 @@ def test_promotion_rule_is_explicit_and_logged(store, tmp_path):
     assert not d5.promoted and "different suites" in d5.reason
     d5b = store.promote_if_not_worse(v5.name, v5.version, champion_metrics={"rel_score": 0.95, "kr_measured": 0.2, "ppl_rel": 13.0})
     assert d5b.promoted
+    # trained on another checkpoint of the same shape (its K/V weights differ): never promoted under this name
+    good = {"rel_score": 0.99, "kr_measured": 0.2, "ppl_rel": 12.0}
+    v8 = store.register_codec(make_codec(tmp_path / "c8", seed=8, kv_digest="a" * 64), metrics=good, suite={"suite": "other"})
+    assert store.get_version(f"models:/{v8.name}/{v8.version}").tags["kv_digest"] == "a" * 64
+    assert store.promote_if_not_worse(v8.name, v8.version).promoted  # the champion before it records none
+    v9 = store.register_codec(make_codec(tmp_path / "c9", seed=9, kv_digest="b" * 64), metrics=good, suite={"suite": "other"})
+    d9 = store.promote_if_not_worse(v9.name, v9.version)
+    assert not d9.promoted and "other weights of the same shape" in d9.reason
 
 
 def _promote_two_at_once(store, tmp_path, monkeypatch):
