@@ -335,7 +335,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
             if served is not None and served != codec.config.bits:
                 # a codec learns its weights for its own grid: another width is post-training quantisation
                 print(f"[rkv eval] {m} serves INT{served} latents from a codec trained at INT{codec.config.bits}: "
-                      f"its row measures the codec quantised below what it learnt (train one with --bits {served} "
+                      f"its row measures the codec on a grid it was not trained for (train one with --bits {served} "
                       "for that setting)", file=sys.stderr)
     lengths: list[int | None] = list(context_len) if isinstance(context_len, (list, tuple)) else [context_len]
     stop = eos_ids(model, tokenizer)
