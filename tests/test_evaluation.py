@@ -291,6 +291,18 @@ def test_bootstrap_interval_and_paired_comparison_by_hand():
     single = [r for r in recs if r["id"] == "t-1"]  # one sample per task: resampling cannot vary it
     assert rel_score_interval(single, "b", "full", sample_key) is None
 
+    # the statistic is recomputed on each draw: task u counts only on draws where the full cache scores there.
+    # full: t [1, 1], u [1, 0]; m: t [0, 0], u [0, 1]. Observed rel = (0 + 0.5) / (1 + 0.5) = 1/3. A draw of
+    # u's second sample alone leaves u without signal: rel = 0, never the 1/1 a fixed task set would give
+    drawn = [_sample_rec(m, f"{t}-{i}", t, str(i), s, 0) for m, per in
+             (("full", {"t": (1.0, 1.0), "u": (1.0, 0.0)}), ("m", {"t": (0.0, 0.0), "u": (0.0, 1.0)}))
+             for t, scores in per.items() for i, s in enumerate(scores)]
+    row = {r["method"]: r for r in summarize(drawn, {}, ["full", "m"], [10])}["m"]
+    assert row["rel_score"] == pytest.approx(1 / 3)
+    lo, hi = rel_score_interval(drawn, "m", "full", sample_key)
+    # u's draws: its first sample twice -> 0 / 2; its second twice -> no signal on u, 0 / 1; one of each -> 1/3
+    assert lo == 0.0 and hi == pytest.approx(1 / 3)
+
 
 def test_rkv_pool_compares_two_codecs_run_under_one_method_name(tmp_path, capsys):
     from residualkv.cli import main

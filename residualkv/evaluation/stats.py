@@ -5,7 +5,9 @@
 With 2-4 samples per task one answer moves a rel_score by about 0.1, so two codecs 0.1 apart may rank either
 way on another draw of samples. Each resample draws, for every task, as many of its samples as it has, with
 replacement, and scores the method and the full cache on the same draw (paired: what both answer right or
-wrong together does not widen the band). The percentile interval of the resampled ratios is reported, and
+wrong together does not widen the band), the rel_score recomputed on each draw as defined above (a task
+counts on a draw only where the full cache scores > 0 there; before 2026-12-06 the observed set of such
+tasks was kept, which shifted intervals upward by up to ~0.1). The percentile interval of the resampled ratios is reported, and
 for two methods the interval of their difference and the share of resamples in which the first is ahead.
 It describes sampling noise of the prompts only; a retrained codec's own run-to-run spread comes on top.
 A task with one sample cannot vary under resampling, so no interval is given unless every task that
@@ -61,7 +63,9 @@ def _counted_tasks(table: dict[str, np.ndarray], ref_col: int) -> list[str] | No
 
 
 def _ratios(means: dict[str, np.ndarray], signal: list[str], col: int, ref_col: int) -> np.ndarray:
-    num = sum(means[t][:, col] for t in signal)
+    # rel_score recomputed on each resample as it is defined: a task counts only where the reference scores
+    # > 0 on that draw (a resample in which the full cache misses a task gives the method no credit there)
+    num = sum(np.where(means[t][:, ref_col] > 0, means[t][:, col], 0.0) for t in signal)
     den = sum(means[t][:, ref_col] for t in signal)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
