@@ -107,6 +107,9 @@ def test_string_match_scoring():
     assert score("ABC", ["abc"], "all") == 1.0  # case-insensitive, like RULER
     assert score("only 456", ["123", "456"], "any") == 1.0
     assert score("nothing", ["123", "456"], "any") == 0.0
+    assert score("in New\nYork, twice", ["new york"]) == 1.0 and score("Paris.", [" Paris\n"]) == 1.0  # whitespace
+    with pytest.raises(ValueError, match="empty answer"):  # it would be a substring of every prediction
+        Sample(id="e", task="t", context="c", question="q", answers=["x", " "])
 
 
 def test_jsonl_loader_defaults_and_max_new_tokens(tmp_path, tok):
@@ -169,9 +172,14 @@ def test_ruler_scbench_longbench_v2_layouts():
     r = rows_to_samples([{"context": "c", "question": "q", "answer_prefix": "A:", "answer": ["1", "2"],
                           "task": "niah_multivalue", "max_new_tokens": 128}], "ruler")[0]
     assert r.answers == ["1", "2"] and r.max_new_tokens == 128 and r.answer_prefix == "A:" and r.task == "ruler/niah_multivalue"
+    assert r.max_new_tokens_given
+    # rows without a budget of their own: the harness fits the budget to the answers (a UUID is ~37 tokens)
+    bare = rows_to_samples([{"context": "c", "question": "q", "answer": ["x"]}], "ruler")[0]
+    assert not bare.max_new_tokens_given
     sc = rows_to_samples([{"id": 7, "context": "ctx", "multi_turns": [{"input": "q1", "answer": "a1"},
                                                                       {"input": "q2", "answer": "a2"}]}], "scbench", "scbench_kv")
     assert [(s.id, s.question, s.answers) for s in sc] == [("7-0", "q1", ["a1"]), ("7-1", "q2", ["a2"])]
+    assert not any(s.max_new_tokens_given for s in sc)
     v2 = rows_to_samples([{"_id": "z", "question": "Q", "choice_A": "a", "choice_B": "b", "choice_C": "c",
                            "choice_D": "d", "answer": "C", "context": "ctx", "domain": "Code"}], "longbench-v2")[0]
     assert v2.answers == ["(C)"] and "(D) d" in v2.question

@@ -65,7 +65,9 @@ def from_ruler(row: dict[str, Any], index: int, subset: str | None = None) -> li
     return [Sample(id=str(row.get("id") or f"{task}-{index}"), task=f"ruler/{task}", context=str(row["context"]),
                    question=str(row.get("question") or ""), answers=[str(a) for a in answers],
                    max_new_tokens=int(row.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
-                   answer_prefix=str(row.get("answer_prefix") or ""), metric="all")]
+                   answer_prefix=str(row.get("answer_prefix") or ""), metric="all",
+                   # without a budget of its own the harness raises the default to fit the answers
+                   max_new_tokens_given=bool(row.get("max_new_tokens")))]
 
 
 def from_scbench(row: dict[str, Any], index: int, subset: str | None = None) -> list[Sample]:
@@ -81,7 +83,8 @@ def from_scbench(row: dict[str, Any], index: int, subset: str | None = None) -> 
         answer = turn["answer"]
         answers = [str(a) for a in answer] if isinstance(answer, list) else [str(answer)]
         out.append(Sample(id=f"{row.get('id', index)}-{t}", task=task, context=str(context), question=question,
-                          answers=answers, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, metric="all"))
+                          answers=answers, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, metric="all",
+                          max_new_tokens_given=False))  # a UUID answer alone is ~37 tokens: fitted by the harness
     return out
 
 

@@ -40,6 +40,10 @@ class Sample:
         if isinstance(self.answers, str):
             self.answers = [self.answers]
         self.answers = [str(a) for a in self.answers]
+        if not self.answers or any(not a.strip() for a in self.answers):
+            # an empty answer is a substring of every prediction: it would score 1 for any method
+            raise TaskFileError(f"sample {self.id}: answers {self.answers!r} hold an empty answer; give each "
+                                "answer as non-empty text")
         if self.metric not in METRICS:
             raise TaskFileError(f"sample {self.id}: metric {self.metric!r} is not one of {METRICS}")
         if int(self.max_new_tokens) < 1:
