@@ -436,6 +436,16 @@ def test_full_from_reuses_the_full_cache_answers_of_an_earlier_run(tmp_path, tin
     # another seed's records are not this run's samples
     assert evaluate(tiny_lm, tok, ["full"], samples=samples[:1], context_len=None, ppl_tokens=0, seed=1,
                     reference=earlier, progress=False)[0]["reused_samples"] == 0
+    # same id, answers, length and budget over another haystack (synthetic answers do not depend on it): runs
+    other = Sample(id="s0", task="t", context="The code is 999. " + "Filler text. " * 20, question=samples[0].question,
+                   answers=samples[0].answers, max_new_tokens=3)
+    assert len(encode_prompt(tok, other)) == len(encode_prompt(tok, samples[0]))
+    assert evaluate(tiny_lm, tok, ["full"], samples=[other], context_len=None, ppl_tokens=0,
+                    reference=earlier, progress=False)[0]["reused_samples"] == 0
+    # records written before the inputs hash are never reused
+    unhashed = [{k: v for k, v in r.items() if k != "inputs_sha"} for r in earlier]
+    assert evaluate(tiny_lm, tok, ["full"], samples=samples[:1], context_len=None, ppl_tokens=0,
+                    reference=unhashed, progress=False)[0]["reused_samples"] == 0
     # the CLI reads the predictions file and refuses a run of another backbone
     assert len(_full_records([str(tmp_path / "first_predictions.jsonl")], "tiny")) == 2
     (tmp_path / "first.json").write_text(json.dumps([{"method": "full", "backbone": "other-model"}]))

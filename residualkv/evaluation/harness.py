@@ -35,6 +35,7 @@ The full FP16 cache is always run (added first when not requested): quality is r
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import sys
@@ -362,9 +363,11 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                 ids = truncate_middle(encode_prompt(tokenizer, sample), L)
                 budget = generation_budget(tokenizer, sample, min_new_tokens)
                 gold = gold_answer_ids(tokenizer, sample) if score_answers else None
+                inputs = inputs_sha(ids, gold)
                 for m in methods:
                     bar.set_postfix_str(f"{L or ''} {sample.task} {m}")
-                    known = stored.get((L, sample.id, tuple(sample.answers), len(ids), budget)) if m == REFERENCE else None
+                    known = (stored.get((L, sample.id, tuple(sample.answers), len(ids), budget, inputs))
+                             if m == REFERENCE else None)
                     if known is not None:
                         records.append(known)
                         bar.update(1)
@@ -383,6 +386,7 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
                         "kr_formula": rep.get("kr_formula"), "cr": rep["cr"], "seed": seed,
                         "working_vs_fp16": rep.get("working_vs_fp16", 0.0),
                         "answer_nll": g.answer_nll, "answer_tokens": g.answer_tokens, "answer_nll_s": g.answer_nll_s,
+                        "inputs_sha": inputs,
                     })
                     del cache
                     bar.update(1)
@@ -423,14 +427,29 @@ def evaluate(model, tokenizer, methods: Sequence[str], codec=None, base_config=N
     return rows
 
 
+def inputs_sha(prompt_ids: Sequence[int], gold_ids: Sequence[int] | None) -> str:
+    """What a full-cache record was computed from: the prompt's tokens and the gold answer's (answer_nll)."""
+    text = ",".join(map(str, prompt_ids)) + "|" + ("-" if gold_ids is None else ",".join(map(str, gold_ids)))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _reference_index(reference: Sequence[dict[str, Any]] | None, seed: int) -> dict[tuple, dict[str, Any]]:
-    """An earlier run's full-cache records of this seed, by what makes a generation the same one."""
-    out = {}
+    """An earlier run's full-cache records of this seed, by what makes a generation the same one: the
+    sample's id, answers, prompt length and budget, and the hash of the very tokens it read (synthetic
+    answers do not depend on the haystack, so two prompts can share everything else). Records written
+    before the hash existed are never reused: their samples run again."""
+    out, unhashed = {}, 0
     for r in reference or ():
         if r.get("method") == REFERENCE and r.get("seed", seed) == seed:
+            if not r.get("inputs_sha"):
+                unhashed += 1
+                continue
             key = (r.get("context_len"), r.get("id"), tuple(r.get("answers") or ()), r.get("prompt_tokens"),
-                   r.get("max_new_tokens"))
+                   r.get("max_new_tokens"), r["inputs_sha"])
             out[key] = {**r, "seed": seed, "reused": True}
+    if unhashed:
+        print(f"[rkv eval] {unhashed} earlier full-cache records carry no inputs_sha (written before 2026-12-06): "
+              "their samples are run again", file=sys.stderr)
     return out
 
 
