@@ -71,6 +71,10 @@ def test_synthetic_is_deterministic_and_seeded(tok):
     c = SyntheticGenerator(tok, seed=2).sample("niah_multikey", 400, 2)
     assert a.context == b.context and a.answers == b.answers
     assert a.answers != c.answers
+    # whatever the generator made before: a longer sample first (a bigger filler stream) changes nothing
+    g = SyntheticGenerator(tok, seed=1)
+    g.sample("niah_single", 7000, 0)
+    assert g.sample("niah_multikey", 400, 2).context == a.context
 
 
 def test_synthetic_answers_are_well_formed(tok):

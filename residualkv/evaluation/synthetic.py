@@ -105,15 +105,16 @@ class Haystacks:
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        self._cache: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        self._cache: dict[tuple[str, int], tuple[list[int], list[int]]] = {}  # (kind, characters) -> stream
 
     def stream(self, kind: str, n_tokens: int) -> tuple[list[int], list[int]]:
         """(ids, sentence_starts): at least n_tokens (plus slack) of filler and where its sentences start."""
         need = n_tokens + 64
-        for (k, size), value in self._cache.items():
-            if k == kind and size >= need:
-                return value
-        chars = max(need * 8, 50_000)
+        # the stream depends on the size asked for alone (50K-character buckets), never on what was generated
+        # before: a sample is fixed by (seed, task, context length, index), whichever samples came first
+        chars = 50_000 * -(-need * 8 // 50_000)
+        if (kind, chars) in self._cache:
+            return self._cache[(kind, chars)]
         if kind == "noise":
             text = NOISE * (chars // len(NOISE) + 1)
         elif kind == "essay":
@@ -123,7 +124,7 @@ class Haystacks:
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc.input_ids, enc.offset_mapping
         starts = [i for i, (a, _) in enumerate(offsets) if i == 0 or text[max(0, a - 2):a].rstrip(" ").endswith((".", "\n"))]
-        self._cache[(kind, len(ids))] = (ids, starts)
+        self._cache[(kind, chars)] = (ids, starts)
         if len(ids) < need:
             raise LengthError(f"the {kind} haystack has only {len(ids)} tokens; ask for a shorter context")
         return ids, starts
