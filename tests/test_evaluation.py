@@ -751,6 +751,8 @@ def test_gold_answer_ids_join_every_answer_and_follow_the_prompt(tok):
     assert tok.decode(gold_answer_ids(tok, all_)) == " 123, 456"  # after "...are": a space, every answer
     assert prompt_text(tok, any_).endswith("\n")  # SmolLM2's chat template ends the prompt on a newline
     assert tok.decode(gold_answer_ids(tok, any_)) == "Paris"  # no space after it, the first alternative only
+    quoted = Sample(id="k", task="t", context="c", question="q", answers=["3b28"], answer_prefix='The value is "')
+    assert tok.decode(gold_answer_ids(tok, quoted)) == "3b28"  # straight after an opening quote
 
 
 def test_answer_nll_is_the_teacher_forced_nll_and_leaves_generation_unchanged(tiny_lm, tok):

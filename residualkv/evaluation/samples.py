@@ -138,9 +138,11 @@ def encode_prompt(tokenizer, sample: Sample) -> list[int]:
 def gold_answer_ids(tokenizer, sample: Sample) -> list[int]:
     """The tokens of a correct answer written straight after the prompt, for the teacher-forced answer NLL:
     every answer, comma-separated, for "all"; the first one for "any". A space first where the prompt ends
-    in a word (an answer prefix, "Answer:"), none after a chat template's newline."""
+    in a word (an answer prefix, "Answer:"), none after a chat template's newline or an opening quote or
+    bracket (kv retrieval's prefix ends in '"')."""
     text = ", ".join(a.strip() for a in sample.answers) if sample.metric == "all" else sample.answers[0].strip()
-    sep = " " if prompt_text(tokenizer, sample)[-1:].strip() else ""
+    last = prompt_text(tokenizer, sample)[-1:]
+    sep = " " if last.strip() and last not in "\"'([{“‘" else ""
     return tokenizer(sep + text, add_special_tokens=False).input_ids
 
 
