@@ -480,8 +480,10 @@ def test_perplexity_pools_disjoint_windows(tmp_path, tiny_lm, tok):
 
 
 def test_full_rel_score_is_one_when_full_scores(tmp_path, tiny_lm, tok):
-    # an answer that every prediction contains ("" is a substring of anything) gives the full cache signal
-    samples = [Sample(id="s", task="t", context="x " * 30, question="q", answers=[""], max_new_tokens=2)]
+    # an answer that every prediction contains ("" is a substring of anything) gives the full cache signal;
+    # a task file cannot hold one (Sample refuses it), so it is set after construction
+    samples = [Sample(id="s", task="t", context="x " * 30, question="q", answers=["x"], max_new_tokens=2)]
+    samples[0].answers = [""]
     rows = evaluate(tiny_lm, tok, ["full", "kivi4"], samples=samples, context_len=None, ppl_tokens=0, progress=False)
     assert rows[0]["method"] == "full" and rows[0]["rel_score"] == 1.0 and rows[1]["rel_score"] == 1.0
     assert rows[0]["ppl"] is None
