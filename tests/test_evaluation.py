@@ -755,6 +755,8 @@ def test_gold_answer_ids_join_every_answer_and_follow_the_prompt(tok):
     assert tok.decode(gold_answer_ids(tok, any_)) == "Paris"  # no space after it, the first alternative only
     quoted = Sample(id="k", task="t", context="c", question="q", answers=["3b28"], answer_prefix='The value is "')
     assert tok.decode(gold_answer_ids(tok, quoted)) == "3b28"  # straight after an opening quote
+    vt = SyntheticGenerator(tok, seed=0).sample("vt", 600, 0)  # its one-shot example lists names with spaces
+    assert tok.decode(gold_answer_ids(tok, vt)) == " " + " ".join(vt.answers)
 
 
 def test_answer_nll_is_the_teacher_forced_nll_and_leaves_generation_unchanged(tiny_lm, tok):

@@ -34,6 +34,7 @@ class Sample:
     answer_prefix: str = ""
     metric: str = "all"
     max_new_tokens_given: bool = True  # False: the default applied, the harness may raise it to fit the answers
+    answer_sep: str = ", "  # how the gold answer for answer_nll joins several answers (the task's own format)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,10 +138,12 @@ def encode_prompt(tokenizer, sample: Sample) -> list[int]:
 
 def gold_answer_ids(tokenizer, sample: Sample) -> list[int]:
     """The tokens of a correct answer written straight after the prompt, for the teacher-forced answer NLL:
-    every answer, comma-separated, for "all"; the first one for "any". A space first where the prompt ends
+    every answer, joined by the sample's answer_sep (", " unless its task writes them otherwise), for "all";
+    the first one for "any". A space first where the prompt ends
     in a word (an answer prefix, "Answer:"), none after a chat template's newline or an opening quote or
     bracket (kv retrieval's prefix ends in '"')."""
-    text = ", ".join(a.strip() for a in sample.answers) if sample.metric == "all" else sample.answers[0].strip()
+    text = (sample.answer_sep.join(a.strip() for a in sample.answers) if sample.metric == "all"
+            else sample.answers[0].strip())
     last = prompt_text(tokenizer, sample)[-1:]
     sep = " " if last.strip() and last not in "\"'([{“‘" else ""
     return tokenizer(sep + text, add_special_tokens=False).input_ids

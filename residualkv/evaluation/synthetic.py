@@ -247,7 +247,7 @@ class _Builder:
         return Sample(id=f"{self.task.name}-{self.target}-{self.key.rsplit(':', 1)[-1]}", task=self.task.name,
                       context=context, question=parts["question"], answers=parts["answers"],
                       max_new_tokens=self.task.max_new_tokens, answer_prefix=parts["prefix"], metric="all",
-                      meta={"context_len": self.target})
+                      answer_sep=parts.get("sep", ", "), meta={"context_len": self.target})
 
 
 def _niah(p: dict[str, Any]):
@@ -292,7 +292,7 @@ def _vt(p: dict[str, Any]):
                 "question": f"Question: Find all variables that are assigned the value {value} in the text above.",
                 "prefix": (f"Answer: According to the chain of variable assignments in the text above, {len(names)} "
                            f"variables are assigned the value {value}, they are:"),
-                "answers": names, "haystack": p["haystack"]}
+                "answers": names, "haystack": p["haystack"], "sep": " "}  # as its example writes them
     return content
 
 
