@@ -139,9 +139,8 @@ def encode_prompt(tokenizer, sample: Sample) -> list[int]:
 def gold_answer_ids(tokenizer, sample: Sample) -> list[int]:
     """The tokens of a correct answer written straight after the prompt, for the teacher-forced answer NLL:
     every answer, joined by the sample's answer_sep (", " unless its task writes them otherwise), for "all";
-    the first one for "any". A space first where the prompt ends
-    in a word (an answer prefix, "Answer:"), none after a chat template's newline or an opening quote or
-    bracket (kv retrieval's prefix ends in '"')."""
+    the first one for "any". A space first where the prompt ends in a word (an answer prefix, "Answer:"),
+    none after a chat template's newline or an opening quote or bracket (kv retrieval's prefix ends in '"')."""
     text = (sample.answer_sep.join(a.strip() for a in sample.answers) if sample.metric == "all"
             else sample.answers[0].strip())
     last = prompt_text(tokenizer, sample)[-1:]
