@@ -61,12 +61,10 @@ def cmd_run(args) -> int:
     return code
 
 
-def default_uri(profile: str) -> str:
+def default_uri(prof) -> str:
+    """The champion of `prof`'s first backbone (a loaded flows.profiles.Profile)."""
     from tasks.backbones import backbone_name
 
-    from .profiles import load_profile
-
-    prof = load_profile(profile)
     name = prof.registry["model_name"].format(backbone=backbone_name(prof.backbones[0]))
     return f"models:/{name}@champion"
 
@@ -76,15 +74,13 @@ def cmd_bench_regress(args) -> int:
 
     import registry
 
-    from registry import env
-
     from .bench_regress import bench_regress
     from .profiles import load_profile
 
     prof = load_profile(args.profile)
     if prof.registry.get("tracking_uri"):  # the store `rkv run --profile` of this profile registers into
-        env.use_tracking_uri(prof.registry["tracking_uri"])
-    uri = args.codec or default_uri(args.profile)
+        registry.env.use_tracking_uri(prof.registry["tracking_uri"])
+    uri = args.codec or default_uri(prof)
     try:
         extra = {} if args.nll_tolerance is None else {"nll_tolerance": args.nll_tolerance}
         report = bench_regress(uri, tolerance=args.tolerance, against=args.against, **extra)
