@@ -120,6 +120,20 @@ def test_resolve_source_and_errors(tmp_path, tok):
     with pytest.raises(DataError, match=r"rows.jsonl:2 .*'text'"):
         list(LocalSource(bad).documents())
 
+    single = tmp_path / "corpus.json"  # a JSON array is not text: packing it would train on raw JSON
+    single.write_text('[{"text": "w1 w2"}]')
+    with pytest.raises(DataError, match=r"corpus.json: a .json file is neither text .* \.jsonl line"):
+        LocalSource(single).files()
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "a.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"a.txt is not UTF-8 text .* re-encode it"):
+        list(LocalSource(latin).documents())
+    (latin / "a.txt").unlink()
+    (latin / "rows.JSONL").write_bytes(b'{"text": "w1"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"rows.JSONL is not UTF-8"):  # found whatever the suffix's case
+        list(LocalSource(latin).documents())
+
     small = tmp_path / "small"
     small.mkdir()
     (small / "a.txt").write_text("w1 w2 w3")

@@ -74,9 +74,14 @@ class LocalSource:
         return str(self.path)
 
     def files(self) -> list[Path]:
+        known = TEXT_SUFFIXES + (".jsonl",)
         if self.path.is_file():
+            if self.path.suffix.lower() not in known:  # e.g. a .json array would be packed as raw JSON text
+                raise DataError(f"--data {self.path}: a {self.path.suffix or 'suffix-less'} file is neither text "
+                                f"({'/'.join(TEXT_SUFFIXES)}) nor JSON lines (.jsonl); convert it to one "
+                                f"{{\"{self.text_field}\": \"...\"}} object per .jsonl line or rename a plain-text file")
             return [self.path]
-        found = sorted(p for p in self.path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + (".jsonl",))
+        found = sorted(p for p in self.path.rglob("*") if p.is_file() and p.suffix.lower() in known)
         if not found:
             raise DataError(f"--data {self.path}: no .txt/.md/.rst/.jsonl files in this folder; "
                             "put one document per .txt file or one JSON object with a "
@@ -87,10 +92,14 @@ class LocalSource:
         root = self.path if self.path.is_dir() else self.path.parent
         for file in self.files():
             rel = file.relative_to(root).as_posix()
-            if file.suffix == ".jsonl":
+            if file.suffix.lower() == ".jsonl":
                 yield from self._jsonl(file, rel)
             else:
-                yield rel, file.read_text(encoding="utf-8")
+                try:
+                    yield rel, file.read_text(encoding="utf-8")
+                except UnicodeDecodeError as error:
+                    raise DataError(f"--data: {file} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                                    "re-encode it as UTF-8 (e.g. iconv -t UTF-8) or move it out of the folder") from None
 
     def _jsonl(self, file: Path, rel: str) -> Iterator[tuple[str, str]]:
         from ..data import iter_jsonl
@@ -103,6 +112,9 @@ class LocalSource:
                 yield str(row.get("id", f"{rel}:{n}")), row[self.text_field]
         except DataError:
             raise
+        except UnicodeDecodeError as error:
+            raise DataError(f"--data: {file} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                            "re-encode it as UTF-8 (e.g. iconv -t UTF-8)") from None
         except ValueError as error:  # a malformed line: same message, the packing error type
             raise DataError(str(error)) from None
 
