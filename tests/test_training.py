@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,12 +129,10 @@ def test_served_reading_scores_the_rest_of_a_block_through_the_prompts_compresse
     freeze_backbone(model)
     codec = tiny_codec(model)
     ids = torch.tensor(packed.train[0:2]["input_ids"])
-    torch.manual_seed(5)
-    p = served_split(SEQ)
+    p = served_split(SEQ, torch.Generator().manual_seed(5))
     assert SEQ // 4 <= p < 3 * SEQ // 4
     with torch.no_grad():
-        torch.manual_seed(5)  # the objective draws the same split
-        out = CodecObjective(model, codec, fast(reading="served"))(ids)
+        out = CodecObjective(model, codec, fast(reading="served"))(ids, p)
         # by hand, as a server runs it: prefill the prompt (reads itself exact), then score the rest
         cache = ResidualKVCache.from_model(model, codec, codec.config.replace(mode="standalone", new_kv="exact"))
         model(input_ids=ids[:, :p], cache=cache, use_cache=True)
@@ -300,6 +299,54 @@ def test_resume_refuses_changed_settings(tmp_path, packed):
         TrainConfig(steps=1, value_weight=0)
 
 
+def test_resume_refuses_another_backbone_or_codec_shape_before_loading_weights(tmp_path, packed):
+    """A checkpoint's weights belong to one backbone and one codec: resuming them onto another model of the
+    same shape would stamp the codec with the wrong kv_digest (so check_weights would accept it there)."""
+    model = tiny_model()
+    train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=2), progress=False)
+    other = tiny_model()
+    with torch.no_grad():
+        other.model.layers[1].self_attn.v_proj.weight.mul_(1.5)  # a fine-tune: same shape, other weights
+    with pytest.raises(TrainError, match="backbone's weights"):
+        train_codec(other, tiny_codec(other), packed.train, tmp_path / "run", fast(steps=2), progress=False)
+    two_bit = ResidualCodec.for_model(model.config, CACHE_CFG.replace(bits=2), d_c=32, d_ff=48, backbone="tiny")
+    with pytest.raises(TrainError, match=r"cache settings \(bits: bits=4 there, bits=2 here\)"):
+        train_codec(model, two_bit, packed.train, tmp_path / "run", fast(steps=2), progress=False)
+    wider = ResidualCodec.for_model(model.config, CACHE_CFG, d_c=64, d_ff=48, backbone="tiny")
+    with pytest.raises(TrainError, match="codec's dims"):  # not a raw size mismatch from load_state_dict
+        train_codec(model, wider, packed.train, tmp_path / "run", fast(steps=2), progress=False)
+    with pytest.raises(TrainError, match="bf16=True but the run .* used False"):
+        train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=2, bf16=True), progress=False)
+
+
+def test_served_reading_resumes_bit_for_bit(tmp_path, packed):
+    """Each block's split point follows the data position, not torch's global RNG (which a resumed run's
+    extra DataLoader iterator draws from): a run resumed from a checkpoint ends bit-equal to one that was not
+    interrupted."""
+    model = tiny_model()
+    config = fast(steps=6, ckpt_every=3, reading="served")
+    ref = ResidualCodec.load(train_codec(model, tiny_codec(model), packed.train, tmp_path / "ref", config,
+                                         progress=False).codec_path)
+    out = tmp_path / "run"
+    train_codec(model, tiny_codec(model), packed.train, out, config, progress=False)
+    shutil.rmtree(out / "checkpoints" / "step-6")  # as if killed between step 3's checkpoint and the end
+    shutil.rmtree(out / "codec")
+    done = train_codec(model, tiny_codec(model), packed.train, out, config, progress=False)
+    assert done.resumed_from == 3 and done.steps == 6
+    for (name, a), b in zip(ResidualCodec.load(done.codec_path).state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_logged_lr_is_the_rate_each_step_used(tmp_path, packed):
+    seen = []
+    model = tiny_model()
+    train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=4, warmup_frac=0.25),
+                progress=False, on_metrics=lambda step, m: seen.append((step, m["lr"])))
+    f = linear_warmup_decay(4, 0.25)
+    assert [lr for _, lr in seen] == pytest.approx([3e-3 * f(i) for i in range(4)])
+    assert seen[-1][1] > 0  # no step trains at a rate of 0
+
+
 def test_codec_refuses_a_model_with_another_config(tmp_path):
     model = tiny_model()
     path = tiny_codec(model).save(tmp_path / "codec")
@@ -401,6 +448,14 @@ def test_rkv_train_cli_end_to_end(tmp_path, monkeypatch, capsys):
     # the same command again finds the finished run instead of starting over
     assert cli.main(argv) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed_from"] == 3
+    # --restart starts over: no metrics row nor codec of the discarded run outlives it
+    shutil.rmtree(codec_path.parent / "checkpoints")  # (only so the check below sees what --restart removes)
+    (codec_path.parent / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
+    assert cli.main(argv[:-3] + ["--steps", "2", "--eval-blocks", "0", "--restart", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert Path(result["codec"]) == codec_path and result["resumed_from"] is None and result["steps"] == 2
+    steps = [json.loads(line)["step"] for line in (codec_path.parent / "metrics.jsonl").read_text().splitlines()]
+    assert 99 not in steps and steps[-1] == 2 and ResidualCodec.load(codec_path).extra["training"]["steps"] == 2
 
 
 def test_rkv_train_init_from_goes_on_from_a_saved_codec(tmp_path, monkeypatch, capsys):

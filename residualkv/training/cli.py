@@ -4,7 +4,8 @@
     rkv train --backbone smollm2-135m --steps 400 --loss rec --out data/codecs/smollm2-135m/rec-only
 
 Rerunning the same command continues an interrupted run from its last checkpoint (the default run
-name depends only on the settings); --restart discards the checkpoints instead.
+name depends only on the settings); --restart discards the checkpoints, and the metrics and codec of
+the discarded run, instead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .packing import pack_documents, resolve_source
-from .trainer import CHECKPOINTS, INITS, LOSSES, READINGS, REC_REDUCTIONS, TrainConfig, train_codec
+from .trainer import CHECKPOINTS, CODEC, INITS, LOSSES, READINGS, REC_REDUCTIONS, TrainConfig, train_codec
 
 
 def register(subparsers) -> None:
@@ -90,7 +91,7 @@ def register(subparsers) -> None:
     t.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks scored at the end")
     t.add_argument("--threads", type=at_least(1, "threads"), default=None,
                    help="torch CPU threads (default: torch's choice; 1 can be faster on a busy machine)")
-    t.add_argument("--restart", action="store_true", help="delete this run's checkpoints instead of resuming")
+    t.add_argument("--restart", action="store_true", help="delete this run's checkpoints, metrics and codec instead of resuming")
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     t.set_defaults(func=cmd_train)
 
@@ -175,8 +176,10 @@ def cmd_train(args) -> int:
 
     start_digest = start.weights_digest() if start is not None else None
     out = Path(args.out) if args.out else codecs_dir(backbone) / run_name(args, source.name, start_digest)
-    if args.restart and (out / CHECKPOINTS).exists():
-        shutil.rmtree(out / CHECKPOINTS)
+    if args.restart:  # the discarded run's metrics and codec go too: neither may pass for the new run's
+        for old in (out / CHECKPOINTS, out / CODEC):
+            shutil.rmtree(old, ignore_errors=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     if start is not None:
         start.config = cache_config  # --group-size re-groups the latents it goes on training (and is saved with)

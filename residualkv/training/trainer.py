@@ -65,7 +65,8 @@ CODEC = "codec"
 STATE = "trainer_state.json"
 # Config fields a resumed run must share with the run it continues (the rest may change between runs).
 RESUME_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_frac", "weight_decay", "loss",
-                 "rec_reduction", "rec_weight", "seed", "init", "recall_spans", "recall_span_len", "reading")
+                 "rec_reduction", "rec_weight", "seed", "init", "recall_spans", "recall_span_len", "reading",
+                 "bf16", "max_grad_norm")
 # Held-out recall probe (evaluate): copies of earlier text in each block, scored only where predicting
 # them needs the copied source; fixed so that codecs trained any way are compared on the same probe.
 EVAL_RECALL_SPANS, EVAL_RECALL_SPAN_LEN = 4, 24
@@ -172,12 +173,13 @@ def served_reading(codec: ResidualCodec):
     return coding_config(codec.config).replace(new_kv="exact")
 
 
-def served_split(seq_len: int) -> int:
+def served_split(seq_len: int, generator: torch.Generator | None = None) -> int:
     """Where reading 'served' splits a block: prompt = tokens [0, p), scored rest = [p, seq_len), p drawn
-    (torch's RNG) uniformly from the middle half so both sides are long (the prompt: history to retrieve
-    from; the rest: tokens whose loss reads it)."""
+    uniformly from the middle half so both sides are long (the prompt: history to retrieve from; the rest:
+    tokens whose loss reads it). The trainer passes a generator seeded by the data position, so a resumed
+    run splits each block where the uninterrupted run did."""
     lo, hi = seq_len // 4, max(seq_len // 4 + 1, (3 * seq_len) // 4)
-    return int(torch.randint(lo, hi, (1,)))
+    return int(torch.randint(lo, hi, (1,), generator=generator))
 
 
 def served_forward(model: nn.Module, cache: ResidualKVCache, ids: torch.Tensor, start: int, **kwargs):
@@ -205,8 +207,9 @@ class CodecObjective(nn.Module):
         # exact, the rest reads the prompt's reconstruction (and its own exact kv, as a prefill chunk would)
         self.cache_config = served_reading(codec) if self.served else trained_reading(codec)
 
-    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        p = served_split(input_ids.shape[1]) if self.served else 0  # torch's RNG: checkpointed, so resumable
+    def forward(self, input_ids: torch.Tensor, split: int | None = None) -> dict[str, torch.Tensor]:
+        """`split`: reading 'served''s prompt length (served_split); None splits the block in half."""
+        p = (input_ids.shape[1] // 2 if split is None else split) if self.served else 0
         teacher = None
         if self.loss_kind == "rec+kd":
             with torch.no_grad():  # the full cache's distribution: the target, not something to train
@@ -393,6 +396,7 @@ class CodecTrainer:
                       "than fp32 (about 100x on an AMD EPYC Milan, BENCHMARKS.md); drop --bf16 here")
         freeze_backbone(model)
         codec.kv_digest = kv_digest(model)  # learnt on this model's weights from here on (a start too)
+        self.identity = codec_identity(codec)
         if config.grad_checkpointing:
             enable_mlp_checkpointing(model)
         if config.init == "zero-decoder":
@@ -400,6 +404,9 @@ class CodecTrainer:
         self.state = TrainState()
         self.resumed_from = self._latest_checkpoint()
         if self.resumed_from is not None:
+            # before any weight is loaded: a checkpoint of another backbone or codec shape must not continue
+            # here (its weights would load into a same-shape codec stamped with this model's digest)
+            self._check_identity(self.resumed_from)
             self._load_codec_weights(codec, self.resumed_from)
         elif config.init in ("rec-warmstart", "fisher-pca"):  # a resumed run already carries its warm start
             from .warmstart import fisher_pca_init, warm_start
@@ -447,6 +454,9 @@ class CodecTrainer:
                 raise TrainError(f"steps={cfg.steps} but the run in {self.out_dir} was planned with "
                                  f"{self.state.total_steps}; pass --steps {self.state.total_steps} to resume it, "
                                  "or use a new --out")
+            if cfg.minutes is not None:  # the plan made under the first budget stands; this one bounds this call
+                self._say(f"the run keeps the {self.state.total_steps} steps it was planned with; --minutes "
+                          f"{cfg.minutes:g} bounds this invocation only")
         elif cfg.steps is not None:
             self.state.total_steps = cfg.steps
         else:
@@ -544,14 +554,17 @@ class CodecTrainer:
 
     def _micro_step(self, input_ids: torch.Tensor) -> dict[str, float]:
         cfg = self.config
+        # Draws seeded by the data position, not torch's global RNG (which starting a DataLoader iterator
+        # also draws from, once more in a resumed run): a resumed run writes the same copies into the same
+        # blocks and splits them where the uninterrupted run did.
+        g = torch.Generator().manual_seed(
+            hash((cfg.seed, self.state.epoch, self.state.micro_in_epoch, self.accelerator.process_index)) % 2**62)
         if cfg.recall_spans:
-            # seeded by the data position, so a resumed run writes the same copies into the same blocks
-            g = torch.Generator().manual_seed(
-                hash((cfg.seed, self.state.epoch, self.state.micro_in_epoch, self.accelerator.process_index)) % 2**62)
             ids, _ = insert_recalls(input_ids.cpu(), cfg.recall_spans, cfg.recall_span_len, g)
             input_ids = ids.to(input_ids.device)
+        split = served_split(input_ids.shape[1], g) if cfg.reading == "served" else None
         with self.accelerator.accumulate(self.objective):
-            out = self.objective(input_ids)
+            out = self.objective(input_ids, split)
             self.accelerator.backward(out["loss"])
         return {k: float(v.detach()) for k, v in out.items()}
 
@@ -559,6 +572,7 @@ class CodecTrainer:
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
         norm = self.accelerator.clip_grad_norm_(self.codec.parameters(), max_norm)
         micro[-1]["grad_norm"] = float(norm)
+        micro[-1]["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used, before the schedule moves on
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -568,7 +582,7 @@ class CodecTrainer:
         m = _mean(window)
         st.history.append([st.step, m["loss"], m["rec"], m["ntp"]])
         tokens_per_step = self.config.seq_len * self.config.batch_size * self.config.grad_accum * self.accelerator.num_processes
-        metrics = m | {"lr": self.scheduler.get_last_lr()[0], "tokens": st.tokens, "step_seconds": step_s,
+        metrics = m | {"lr": window[-1]["lr"], "tokens": st.tokens, "step_seconds": step_s,
                        "tokens_per_second": tokens_per_step / step_s if step_s else 0.0, "epoch": st.epoch}
         if self.on_metrics is not None and self.accelerator.is_main_process:
             self.on_metrics(st.step, metrics)
@@ -618,7 +632,8 @@ class CodecTrainer:
             return
         codec = self.accelerator.unwrap_model(self.objective).codec
         state = dataclasses.asdict(self.state) | {"config": self.config.to_dict(), "data": self.data_info,
-                                                 "num_processes": self.accelerator.num_processes}
+                                                 "num_processes": self.accelerator.num_processes,
+                                                 "codec": self.identity}
 
         def write(tmp: Path) -> None:
             save_file({k: v.detach().contiguous().cpu() for k, v in codec.state_dict().items()},
@@ -633,6 +648,24 @@ class CodecTrainer:
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".step-*"):  # temporary folders of a run killed mid-write
             shutil.rmtree(stale, ignore_errors=True)
+
+    def _check_identity(self, ckpt: Path) -> None:
+        saved = json.loads((ckpt / STATE).read_text()).get("codec")
+        if saved is None:  # written before checkpoints recorded it
+            return
+        for key, ours in self.identity.items():
+            theirs = saved.get(key)
+            if key == "cache_config":
+                diff = sorted(k for k in set(ours) | set(theirs or {}) if ours.get(k) != (theirs or {}).get(k))
+                what = f"the codec's cache settings ({', '.join(diff)}: {', '.join(f'{k}={theirs.get(k)!r}' for k in diff)} " \
+                       f"there, {', '.join(f'{k}={ours.get(k)!r}' for k in diff)} here)" if diff else ""
+            elif key == "kv_digest":
+                what = "the backbone's weights (another checkpoint: its K/V projections differ)" if ours != theirs else ""
+            else:
+                what = f"the codec's {key} ({theirs!r} there, {ours!r} here)" if ours != theirs else ""
+            if what:
+                raise TrainError(f"the run in {self.out_dir} was trained with other {what}; resume it with the same "
+                                 "--backbone and codec options, or use a new --out (or --restart) to start over")
 
     def _load_codec_weights(self, codec: ResidualCodec, ckpt: Path) -> None:
         codec.load_state_dict(load_file(str(ckpt / "codec.safetensors")))
@@ -785,6 +818,14 @@ def heldout_metrics(model: nn.Module, codec: ResidualCodec, blocks: torch.Tensor
         out |= {"eval/recall_nll_full": full["recall_nll"], "eval/recall_nll_codec": mine["recall_nll"],
                 "eval/recall_ppl_ratio": math.exp(mine["recall_nll"] - full["recall_nll"])}
     return out
+
+
+def codec_identity(codec: ResidualCodec) -> dict[str, Any]:
+    """What a checkpoint's weights belong to (the backbone's weights and the codec's shape and cache
+    settings), as JSON would read it back, so a resume compares like with like."""
+    meta = codec.meta()
+    keys = ("kv_digest", "fingerprint_hash", "dims", "layer_ids", "layer_d_c", "cache_config")
+    return json.loads(json.dumps({k: meta[k] for k in keys}))
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
