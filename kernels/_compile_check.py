@@ -1,4 +1,4 @@
-"""Compile every kernel to a CUDA binary without a GPU: `python -m kernels._compile_check [--arch 90]`.
+"""Compile every kernel to a CUDA binary without a GPU: `python -m kernels._compile_check [--arch 90,80]`.
 
 Triton's interpreter runs Python semantics, so it accepts code the real compiler rejects (and the
 other way round). This lowers each kernel, with the exact arguments its dispatcher passes, through
@@ -106,13 +106,17 @@ def compile_all(arch: int = 90, full: bool = True) -> list[tuple[str, bool, str]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90 = H100/H200)")
+    ap.add_argument("--arch", default="90",
+                    help="CUDA compute capabilities x10, comma-separated (90 = H100/H200, 80 = A100)")
     ap.add_argument("--quick", action="store_true", help="one variant per kernel (bf16, 2-bit)")
     args = ap.parse_args(argv)
-    results = compile_all(args.arch, full=not args.quick)
-    for label, ok, info in results:
-        print(f"{'ok  ' if ok else 'FAIL'} {label:16s} sm_{args.arch}: {info}")
-    return 0 if results and all(ok for _, ok, _ in results) else 1
+    failed = False
+    for arch in (int(a) for a in args.arch.split(",")):
+        results = compile_all(arch, full=not args.quick)
+        for label, ok, info in results:
+            print(f"{'ok  ' if ok else 'FAIL'} {label:16s} sm_{arch}: {info}")
+        failed |= not results or not all(ok for _, ok, _ in results)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -140,13 +140,20 @@ _attn = LazyKernel(_kivi_attn_kernel)
 _merge = LazyKernel(_merge_kernel)
 
 
+def kernel_fits(full_group_size: int) -> bool:
+    """The kernel tiles one key group as a power-of-two block of at least 16 tokens; the config accepts
+    any multiple of 8, and other sizes run the reference."""
+    return full_group_size >= 16 and not full_group_size & (full_group_size - 1)
+
+
 def kivi_decode_attention(q: torch.Tensor, store, *, scale: float | None = None, impl: str = "auto",
                           n_splits: int | None = None) -> torch.Tensor:
     """q [B, Hq, 1, D] (one decode step; Hq a multiple of the store's KV heads) attending over every
-    token of a `KiviStore` (packed history + FP16 window) -> [B, Hq, 1, D] in q's dtype."""
+    token of a `KiviStore` (packed history + FP16 window) -> [B, Hq, 1, D] in q's dtype. Under impl
+    "auto" a key group the kernel cannot tile (kernel_fits) runs the reference; "triton" refuses it."""
     win_k, win_v = store.win_k, store.win_v
     kq, vq = store.kq, store.vq
-    if not use_triton(impl, q, win_k):
+    if not use_triton(impl, q, win_k) or (impl == "auto" and not kernel_fits(store.cfg.full_group_size)):
         return kivi_decode_attention_reference(q, store, scale)
     B, Hq, Tq, D = q.shape
     if Tq != 1:
@@ -161,7 +168,7 @@ def kivi_decode_attention(q: torch.Tensor, store, *, scale: float | None = None,
     W = win_k.shape[2]
     if G * kg + W == 0:
         raise ValueError("the KIVI store is empty: nothing to attend to")
-    if kg & (kg - 1) or kg < 16:
+    if not kernel_fits(kg):
         raise ValueError(f"full_group_size={kg}: the kernel tiles one key group as a power-of-two block >= 16")
     dev = q.device
     if n_splits is None:

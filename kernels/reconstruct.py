@@ -204,8 +204,18 @@ def _reconstruct_kernel(codes_ptr, mins_ptr, scales_ptr, ridx_ptr, refs_ptr, w_p
         r_lo = tl.load(ref_row + col_lo[None, :], mask=rm, other=0)
         r_hi = tl.load(ref_row + col_hi[None, :], mask=rm, other=0)
         if REF_FP8:
-            r_lo = r_lo.to(tl.float8e4nv, bitcast=True)
-            r_hi = r_hi.to(tl.float8e4nv, bitcast=True)
+            # e4m3fn bytes decoded with integer ops (as in topk_l2): tl.float8e4nv compiles only from sm_89,
+            # and this runs on any GPU. Normal: exponent e-7 re-biased to f32's 127, mantissa moved up 20
+            # bits; subnormal (e = 0): m * 2^-9. The encoder saturates, so the NaN byte never occurs.
+            for half in tl.static_range(2):
+                bi = (r_lo if half == 0 else r_hi).to(tl.int32)
+                e = (bi >> 3) & 15
+                mag = tl.where(e > 0, (((e + 120) << 23) | ((bi & 7) << 20)).to(tl.float32, bitcast=True),
+                               (bi & 7).to(tl.float32) * 0.001953125)
+                if half == 0:
+                    r_lo = tl.where(bi >= 128, -mag, mag)
+                else:
+                    r_hi = tl.where(bi >= 128, -mag, mag)
         sum_lo += r_lo.to(tl.float32)
         sum_hi += r_hi.to(tl.float32)
         count += ok.to(tl.float32)

@@ -59,8 +59,15 @@ def _topk_l2_kernel(q_ptr, r_ptr, navail_ptr, dist_ptr, idx_ptr, T, R, D, r_per_
             dmask = dd < D
             qt = tl.load(q_base + dd[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
             rt = tl.load(r_base + r[:, None] * s_rr + dd[None, :], mask=(r[:, None] < R) & dmask[None, :], other=0)
-            if REF_FP8:  # stored e4m3 bytes: decode in registers, never materialised as floats
-                rt = rt.to(tl.float8e4nv, bitcast=True)
+            if REF_FP8:
+                # stored e4m3fn bytes decoded in registers with integer ops (tl.float8e4nv compiles only from
+                # sm_89): normal = exponent re-biased by 120 and mantissa moved up 20 bits into an f32;
+                # subnormal = m * 2^-9; the encoder saturates, so the NaN byte never occurs
+                bi = rt.to(tl.int32)
+                e = (bi >> 3) & 15
+                mag = tl.where(e > 0, (((e + 120) << 23) | ((bi & 7) << 20)).to(tl.float32, bitcast=True),
+                               (bi & 7).to(tl.float32) * 0.001953125)
+                rt = tl.where(bi >= 128, -mag, mag)
             rt = rt.to(tl.float32)
             dot += tl.dot(qt, tl.trans(rt), input_precision="ieee")
             r_sq += tl.sum(rt * rt, axis=1)

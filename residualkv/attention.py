@@ -55,7 +55,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from kernels.kivi_attention import kivi_decode_attention
+from kernels.kivi_attention import kernel_fits, kivi_decode_attention
 from kernels._common import use_triton
 
 from .cache import KiviLayer, ResidualLayer, RowLayout
@@ -327,6 +327,7 @@ class FusedFullDecode:
     def applies(self, layer_idx: int, key_states: torch.Tensor) -> bool:
         return (isinstance(self.cache.layers[layer_idx], KiviLayer) and key_states.shape[2] == 1
                 and layer_idx not in self.skip and not torch.is_grad_enabled()
+                and kernel_fits(self.cache.config.full_group_size)
                 and use_triton(self.cache.config.kernel_impl, key_states))
 
     def update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):

@@ -280,6 +280,38 @@ def test_reconstruct_selected_variants(variant):
         _close(a, b, tol)
 
 
+def _every_fp8_byte(rows: int) -> torch.Tensor:
+    """[1, rows, 256] uint8: every finite e4m3fn byte (zeros, subnormals, both signs, ±448), rows rolled
+    so each row holds the bytes in another order; the two NaN bytes (never stored: the encoder saturates)
+    become 0."""
+    b = torch.arange(256, dtype=torch.uint8)
+    b[(b == 0x7F) | (b == 0xFF)] = 0
+    return torch.stack([b.roll(37 * i) for i in range(rows)])[None].to(DEV)
+
+
+def test_kernels_decode_every_fp8_byte_as_torch_does():
+    """The kernels decode e4m3 bytes with integer ops (tl.float8e4nv needs sm_89): every finite byte must
+    come out as torch's float8_e4m3fn conversion, exactly."""
+    refs = _every_fp8_byte(4)
+    H, D, C = 1, 128, 8
+    codec = LayerCodec(CodecDims(2 * H * D, 2 * H * D, 16, "identity")).to(DEV)
+    codes = quant.quantize(torch.zeros(1, C, 2 * H * D, device=DEV), 4, 32)  # zero residual: x = its reference
+    ridx = torch.full((1, C, 4), -1)
+    ridx[..., 0] = torch.arange(C) % 4
+    ridx = quant.pack_indices(ridx.to(DEV), quant.index_bits(4))
+    sel = torch.arange(C, device=DEV)[None]
+    cos, sin = torch.ones(1, C, D, device=DEV), torch.zeros(1, C, D, device=DEV)
+    k, v = reconstruct_selected(codes, ridx, refs, codec, sel, cos, sin, bits=4, group=32, num_kv_heads=H,
+                                impl="triton")
+    want = decode_ref(refs, "fp8")[0, torch.arange(C) % 4]
+    assert torch.equal(torch.cat([k[0, 0], v[0, 0]], -1).cpu(), want.cpu())
+    q = _randn(1, 3, 256, seed=4)
+    n_avail = torch.full((3,), 4, device=DEV)
+    _assert_clear_gaps(q, decode_ref(refs, "fp8"), n_avail, 3)
+    got = topk_l2(q, refs, n_avail, 3, ref_format="fp8", impl="triton")
+    assert torch.equal(got.cpu(), topk_refs(q, decode_ref(refs, "fp8"), n_avail, 3).cpu())
+
+
 @pytest.mark.parametrize("R", [255, 256, 700, 5000])
 def test_reconstruct_selected_unpacks_wide_indices(R):
     """Indices of 8, 9, 10 and 13 bits: the kernel unpacks those that straddle bytes as the library does."""
@@ -402,10 +434,11 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated to silence its warning
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-m", "kernels._compile_check", "--arch", "90", "--quick"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
+    # sm_80 (A100) too: FP8 references are decoded without tl.float8e4nv, which compiles only from sm_89
+    run = subprocess.run([sys.executable, "-m", "kernels._compile_check", "--arch", "90,80", "--quick"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok  ") == 5, run.stdout  # quant_pack, topk_l2, reconstruct, kivi + merge
+    assert run.stdout.count("ok  ") == 10, run.stdout  # quant_pack, topk_l2, reconstruct, kivi + merge, twice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,6 +525,32 @@ def test_full_layers_decode_on_fused_kivi_kernel_left_padded():
         torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
     assert [(x.tokens_read, x.tokens_available) for x in ca.layers] == [(x.tokens_read, x.tokens_available) for x in cb.layers]
     assert ca.nbytes() == cb.nbytes()
+
+
+@pytest.mark.parametrize("group", [8, 24])
+def test_full_layers_with_a_key_group_the_kernel_cannot_tile_decode_on_torch(group):
+    """The config accepts any multiple of 8 as full_group_size; the kernel tiles only powers of two >= 16,
+    so such layers decode on the reference path instead of raising at the first decode step."""
+    from transformers import LlamaForCausalLM
+
+    from residualkv.cache import ResidualKVCache
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval().to(DEV)
+    cfg = ResidualKVConfig(full_attention_layers=(0, 1, 2, 3), full_group_size=group, full_window=group)
+    ids = torch.randint(1, 128, (2, 50), generator=_gen(3)).to(DEV)
+    seqs = {}
+    for impl in ("torch", "triton"):
+        cache = ResidualKVCache.from_model(model, None, cfg, kernel_impl=impl)
+        with torch.no_grad():
+            seqs[impl] = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        assert cache.fused_full is None or cache.fused_full.steps == 0
+    assert torch.equal(seqs["torch"], seqs["triton"])
+    store = cache.layers[0].stores[0]
+    q = _randn(2, 4, 1, store.win_k.shape[-1], seed=5)
+    torch.testing.assert_close(kivi_decode_attention(q, store, impl="auto"), kivi_decode_attention_reference(q, store))
+    with pytest.raises(ValueError, match=f"full_group_size={group}"):
+        kivi_decode_attention(q, store, impl="triton")
 
 
 def _row_stores(layer) -> list:
