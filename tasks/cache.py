@@ -30,16 +30,28 @@ def _canonical(payload: Any) -> str:
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
 
 
+# Every step runs through nearly all of the library (a static import closure of tasks.train or
+# tasks.measure reaches all but a few of its modules), so each key hashes all of it: an edit anywhere in
+# residualkv/ or kernels/ re-runs training and measurements rather than reuse a result the old code made.
+LIBRARY = ("residualkv", "kernels")
+
+
 def source_hash(*modules: str) -> str:
-    """sha256 of the source files of the named modules (a package means all its .py files)."""
+    """sha256 of the source files of the named modules (a package means all its .py files, recursively)."""
     h = hashlib.sha256()
     for name in sorted(modules):
         mod = importlib.import_module(name)
         path = Path(mod.__file__)
+        root = path.parents[name.count(".") + (1 if path.name == "__init__.py" else 0)]
         files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
         for file in files:
-            h.update(file.as_posix().split("/")[-1].encode() + b"\0" + file.read_bytes())
+            h.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
     return h.hexdigest()[:16]
+
+
+def code_hash(*task_modules: str) -> str:
+    """What a step's result depends on in code: the whole library and the task modules that run it."""
+    return source_hash(*LIBRARY, *task_modules)
 
 
 def step_key(payload: dict[str, Any]) -> str:

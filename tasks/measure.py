@@ -20,23 +20,15 @@ from prefect.cache_policies import NO_CACHE
 
 from residualkv.codec import META, ResidualCodec
 
-from .cache import cached_step, source_hash
+from .cache import cached_step, code_hash
 from .common import backbone_identity, cache_defaults, shared_backbone
 
-LIBRARY = ("residualkv.cache", "residualkv.codec", "residualkv.methods", "residualkv.accounting",
-           "residualkv.quant", "residualkv.retrieval", "residualkv.schedule", "residualkv.rope")
 
 
 def _codec_sha(codec_dir: str | None) -> str:
     if not codec_dir:
         return ""
     return json.loads((Path(codec_dir) / META).read_text()).get("weights_sha256", "")
-
-
-def _optional_modules(*names: str) -> tuple[str, ...]:
-    import importlib.util
-
-    return tuple(n for n in names if importlib.util.find_spec(n) is not None)
 
 
 def _load(backbone_ref: str, codec_dir: str | None):
@@ -52,7 +44,7 @@ def measure_kr_cr(backbone_ref: str, codec_dir: str | None, config: dict[str, An
     model, tokenizer, spec, codec = _load(backbone_ref, codec_dir)
     payload = {"backbone": backbone_identity(model, spec), "codec": _codec_sha(codec_dir),
                "config": {k: config[k] for k in ("methods", "context_lens")},
-               "code": source_hash(*LIBRARY, *_optional_modules("residualkv.attention", "residualkv.snapkv"), "tasks.measure")}
+               "code": code_hash("tasks.measure", "tasks.common")}
 
     def compute(folder: Path) -> dict[str, Any]:
         import torch
@@ -99,8 +91,7 @@ def run_evaluation(backbone_ref: str, codec_dir: str | None, config: dict[str, A
     options = dict(config.get("options") or {})
     payload = {"backbone": backbone_identity(model, spec), "codec": _codec_sha(codec_dir),
                "methods": list(config["methods"]), "options": options,
-               "code": source_hash(*LIBRARY, "residualkv.evaluation",
-                                   *_optional_modules("residualkv.attention", "residualkv.snapkv"))}
+               "code": code_hash("tasks.measure", "tasks.common")}
 
     def compute(folder: Path) -> dict[str, Any]:
         from residualkv.evaluation import evaluate
@@ -156,7 +147,7 @@ def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[st
     payload = {"backbone": backbone_identity(model, spec), "codec": _codec_sha(codec_dir),
                "config": {k: config[k] for k in ("methods", "context_lens", "new_tokens", "repeats")},
                "host": platform.node(), "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-               "code": source_hash(*LIBRARY, "residualkv.memory", "tasks.measure")}
+               "code": code_hash("tasks.measure", "tasks.common")}
 
     def compute(folder: Path) -> dict[str, Any]:
         from residualkv.cli import context_ids

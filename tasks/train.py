@@ -26,7 +26,7 @@ from residualkv.config import ResidualKVConfig
 from residualkv.training import TrainConfig
 from residualkv.training import train_codec as run_training
 
-from .cache import read_result, source_hash, step_key, write_result
+from .cache import code_hash, read_result, step_key, write_result
 from .common import say, set_threads
 from .data import packed_data
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # pipeline-only keys of a profile's `train:` section (not TrainConfig fields)
 PIPELINE_KEYS = ("bits", "d_c", "d_ff", "layer_d_c", "retries", "torch_threads", "launch")
 # TrainConfig fields that do not change what is learned (kept out of the cache key)
-NOT_IN_KEY = ("log_every", "minutes")
+NOT_IN_KEY = ("log_every", "minutes", "ckpt_every", "keep_checkpoints")
 
 
 def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
@@ -57,9 +57,9 @@ def train_payload(model, spec, packed: dict[str, Any], config: dict[str, Any],
         "budget_minutes": config.get("minutes"), "d_c": int(d_c), "d_ff": int(d_ff),
         "launch": config.get("launch"),  # another process layout is another run (the trainer resumes only its own)
         "cache_config": cache_config.replace(bits=bits).to_dict(),
-        # the trainer and the codec define what is learned; library edits elsewhere (cache layouts,
-        # sparse attention) do not invalidate hours of training (measurements re-run on those instead)
-        "code": source_hash("residualkv.training", "residualkv.codec", "tasks.train"),
+        # the forward pass runs through the cache, stores, quantiser and kernels as well as the trainer:
+        # a codec the old code trained is not reused (tasks.cache.LIBRARY)
+        "code": code_hash("tasks.train", "tasks.data", "tasks.common"),
         # init: codec: the weights it starts from (a registry alias moves; its weights say what was used)
         "start": start.weights_digest() if start is not None else None,
     } | ({"layer_d_c": {str(i): d for i, d in sorted(layer_d_c.items())}} if layer_d_c else {})

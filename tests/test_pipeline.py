@@ -351,6 +351,29 @@ def test_bench_regress_reads_the_store_its_profile_names(smoke, store, tmp_path,
     assert "cannot check models:/rkv-tiny-llama@champion" in capsys.readouterr().err
 
 
+def test_step_keys_hash_every_library_source_file(tmp_path, monkeypatch):
+    """A step's key covers every .py file of the library, subpackages included, by its path in the
+    package: a changed store layout (residualkv/stores.py was outside the measurement keys) re-runs the
+    measurements and the training instead of reusing what the old code produced."""
+    from tasks import cache as step_cache
+
+    pkg = tmp_path / "libx"
+    (pkg / "sub").mkdir(parents=True)
+    for rel in ("__init__.py", "sub/__init__.py", "sub/stores.py", "stores.py"):
+        (pkg / rel).write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = step_cache.source_hash("libx")
+    (pkg / "sub" / "stores.py").write_text("X = 2\n")
+    after = step_cache.source_hash("libx")
+    assert after != before
+    (pkg / "sub" / "stores.py").write_text("X = 1\n")
+    (pkg / "stores.py").write_text("X = 2\n")  # the same change in a same-named file elsewhere: another key
+    assert step_cache.source_hash("libx") not in (before, after)
+    assert step_cache.LIBRARY == ("residualkv", "kernels")
+    monkeypatch.setattr(step_cache, "LIBRARY", ("libx",))
+    assert step_cache.code_hash("tasks.measure") != step_cache.source_hash("libx")  # the task module counts too
+
+
 def test_regression_table_logic():
     from flows.bench_regress import RegressReport, compare
 
