@@ -111,7 +111,13 @@ def _merge(section: str, given: Any, where: Path) -> dict[str, Any]:
 
 def load_profile(name_or_path: str | Path) -> Profile:
     path = profile_path(name_or_path)
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ProfileError(f"{path}: not valid YAML{where} ({getattr(error, 'problem', None) or error}); "
+                           "fix the syntax there") from None
     if not isinstance(raw, dict):
         raise ProfileError(f"{path}: expected a mapping with keys {sorted(SECTIONS)}")
     unknown = sorted(set(raw) - set(SECTIONS))
@@ -143,6 +149,15 @@ def load_profile(name_or_path: str | Path) -> Profile:
                 isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else isinstance(value, want)):
             kind = {bool: "true or false", float: "a number", str: "a metric name"}[want]
             raise ProfileError(f"{path}: registry.promotion.{key} is {value!r}; it must be {kind}")
+    _check_registry_and_schedule(path, sections)
+    for section in ("accounting", "throughput"):
+        lens = sections[section]["context_lens"]
+        if not isinstance(lens, list) or not lens or not all(_positive_int(n) for n in lens):
+            raise ProfileError(f"{path}: {section}.context_lens is {lens!r}; it must be a list of positive token "
+                               "counts, e.g. [2048, 4096]")
+    for key in ("new_tokens", "repeats"):
+        if not _positive_int(sections["throughput"][key]):
+            raise ProfileError(f"{path}: throughput.{key} is {sections['throughput'][key]!r}; it must be a positive integer")
     if sections["registry"]["method"] not in sections["evaluate"]["methods"]:
         raise ProfileError(f"{path}: registry.method {sections['registry']['method']!r} must be one of "
                            f"evaluate.methods {sections['evaluate']['methods']}")
@@ -169,6 +184,48 @@ def load_profile(name_or_path: str | Path) -> Profile:
                                f"{', '.join(METHODS)}, snapkv, snapkv-NN")
     return Profile(name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
                    backbones=list(backbones), path=path, raw=raw, **sections)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_registry_and_schedule(path: Path, sections: dict[str, dict[str, Any]]) -> None:
+    """What the flow reads only after training (the model name, the promotion metrics) or the deployment
+    only once its server runs (the cron), checked at load: a typo fails in a second, not after an hour,
+    and a misspelt metric does not leave a scheduled job that never promotes."""
+    from tasks.tracking import known_metric
+
+    name = sections["registry"]["model_name"]
+    try:
+        formatted = name.format(backbone="b") if isinstance(name, str) else None
+    except (KeyError, IndexError, ValueError) as error:
+        raise ProfileError(f"{path}: registry.model_name {name!r} cannot be formatted ({type(error).__name__}: "
+                           f"{error}); the only placeholder is {{backbone}}, e.g. 'rkv-{{backbone}}'") from None
+    if not formatted:
+        raise ProfileError(f"{path}: registry.model_name is {name!r}; give a name such as 'rkv-{{backbone}}'")
+    for key in ("score_metric", "kr_metric", "ppl_metric"):
+        metric = sections["registry"]["promotion"][key]
+        if metric is not None and not known_metric(metric):
+            raise ProfileError(f"{path}: registry.promotion.{key} {metric!r} is not a metric a version stores; use "
+                               "one of rel_score, score, kr_measured, kr_formula, cr, ppl, ppl_rel, answer_nll, "
+                               "answer_nll_delta, NAME_ctxL (one context length), task.TASK or decode_tok_s_ctxL")
+    cron, tz = sections["schedule"]["cron"], sections["schedule"]["timezone"] or "UTC"
+    if cron is not None:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        from prefect.schedules import Cron
+
+        try:
+            ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ProfileError(f"{path}: schedule.timezone {tz!r} is not an IANA time zone; e.g. UTC or "
+                               "Europe/Berlin") from None
+        try:
+            Cron(str(cron), timezone=tz)
+        except ValueError as error:
+            raise ProfileError(f"{path}: schedule.cron {cron!r}: {error}; write five fields, minute hour day "
+                               "month weekday, e.g. '0 3 * * 1' (Mondays 03:00), or null for no schedule") from None
 
 
 def list_profiles() -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -47,6 +48,16 @@ def _mean(xs: Sequence[Any]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+HEADLINE_KEYS = ("kr_measured", "kr_formula", "cr", "score", "rel_score", "ppl", "ppl_rel", "answer_nll",
+                 "answer_nll_delta")
+
+
+def known_metric(name: str) -> bool:
+    """Whether `name` is one headline_metrics can store: a headline key, KEY_ctxL, task.TASK, decode_tok_s_ctxL."""
+    keys = "|".join(HEADLINE_KEYS + ("decode_tok_s",))
+    return bool(re.fullmatch(rf"(?:{'|'.join(HEADLINE_KEYS)})|(?:{keys})_ctx\d+|task\.[\w.-]+", name))
+
+
 def headline_metrics(bench_rows: Sequence[Mapping[str, Any]], method: str,
                      speed_rows: Sequence[Mapping[str, Any]] = ()) -> dict[str, float]:
     """The registered method's figures: means over context lengths, per-length values (`name_ctxL`), per task."""
@@ -54,8 +65,7 @@ def headline_metrics(bench_rows: Sequence[Mapping[str, Any]], method: str,
     if not mine:
         raise ValueError(f"the benchmark has no rows for {method!r}")
     out: dict[str, float] = {}
-    for key in ("kr_measured", "kr_formula", "cr", "score", "rel_score", "ppl", "ppl_rel", "answer_nll",
-                "answer_nll_delta"):
+    for key in HEADLINE_KEYS:
         value = _mean([r.get(key) for r in mine])
         if value is not None:
             out[key] = value

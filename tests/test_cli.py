@@ -52,6 +52,31 @@ def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_st
     bad.write_text(yaml.safe_dump(profile))
     _fails_cleanly(["run", "--profile", str(bad)], capsys, "registry.promotion.score_tol is '0.01x'; it must be a number")
 
+    # and what only the end of a run or the deployment's server would read
+    original = yaml.safe_load((configs_dir() / "pipelines" / "smoke.yaml").read_text())
+    for section, change, expected in [
+        ("registry", {"model_name": "rkv-{backbon}"}, "registry.model_name 'rkv-{backbon}' cannot be formatted"),
+        ("registry", {"promotion": {"score_metric": "ppl_rell"}}, "registry.promotion.score_metric 'ppl_rell' is not a metric"),
+        ("schedule", {"cron": "0 3 * *"}, "schedule.cron '0 3 * *'"),
+        ("schedule", {"timezone": "Mars/Base"}, "schedule.timezone 'Mars/Base' is not an IANA time zone"),
+        ("accounting", {"context_lens": 2048}, "accounting.context_lens is 2048; it must be a list"),
+        ("throughput", {"repeats": 0}, "throughput.repeats is 0; it must be a positive integer"),
+    ]:
+        profile = yaml.safe_load(yaml.safe_dump(original))
+        for key, value in change.items():
+            if isinstance(value, dict):
+                profile[section][key].update(value)
+            else:
+                profile[section][key] = value
+        bad.write_text(yaml.safe_dump(profile))
+        _fails_cleanly(["run", "--profile", str(bad)], capsys, expected)
+    for metric in ("rel_score_ctx2048", "task.niah_single", "decode_tok_s_ctx1024", "ppl_rel"):
+        from tasks.tracking import known_metric
+
+        assert known_metric(metric), metric
+    bad.write_text("name: broken\nbackbones: [a\n")
+    _fails_cleanly(["run", "--profile", str(bad)], capsys, f"{bad}: not valid YAML at line")
+
 
 def test_missing_or_malformed_task_files_name_the_file_and_line(tmp_path, capsys):
     out = str(tmp_path / "eval.json")
