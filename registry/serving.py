@@ -82,6 +82,7 @@ def _fetch(uri: str, model_config, use_cache: bool) -> tuple[Path, ResidualCodec
             shutil.rmtree(dest, ignore_errors=True)
     source = retrying(client().get_model_version_download_uri, mv.name, str(mv.version))
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_downloads(dest.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".v{mv.version}-", dir=dest.parent))
     try:
         try:
@@ -92,15 +93,39 @@ def _fetch(uri: str, model_config, use_cache: bool) -> tuple[Path, ResidualCodec
         codec = _verify(path, mv, uri, model_config)
         if not use_cache:
             return path, codec  # (the caller must use the codec, the folder is removed)
-        if dest.exists():
-            shutil.rmtree(dest, ignore_errors=True)
-        try:
-            path.rename(dest)
-        except OSError:
-            pass  # a concurrent loader put an identical verified copy there first
-        return dest, codec
+        return _place(path, dest, tmp, mv, uri, model_config), codec
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _place(path: Path, dest: Path, tmp: Path, mv, uri: str, model_config) -> Path:
+    """Move a verified download to `dest`. Another loader may have placed its copy there meanwhile and
+    handed it to a caller that reads it later (fetch_codec_dir), so an existing copy is never deleted
+    while it verifies: ours is dropped instead. Only a copy that fails verification is moved aside."""
+    try:
+        path.rename(dest)
+        return dest
+    except OSError:
+        pass
+    try:
+        _verify(dest, mv, uri, model_config)
+        return dest  # a concurrent loader's identical, verified copy
+    except RegistryError:
+        dest.rename(tmp / "corrupted")  # removed with tmp; ours takes its place
+        path.rename(dest)
+        return dest
+
+
+def _sweep_stale_downloads(folder: Path, older_than_s: float = 3600.0) -> None:
+    """Temporary folders of loaders that were killed mid-download (a live one is younger than this)."""
+    import time
+
+    for stale in folder.glob(".v*-*"):
+        try:
+            if time.time() - stale.stat().st_mtime > older_than_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def describe(uri: str) -> dict:

@@ -216,6 +216,39 @@ def test_corrupted_cached_copy_is_replaced(store, tmp_path):
     assert (cached / WEIGHTS).stat().st_size > 100
 
 
+def test_a_loader_never_deletes_a_copy_another_loader_handed_out(store, tmp_path):
+    """Two cold loaders of one version: the second to finish finds the first's verified copy in place (and
+    maybe already in a caller's hands, fetch_codec_dir): it keeps that copy and drops its own. A copy that
+    no longer verifies is replaced. Temporary folders of killed downloads are swept once they are old."""
+    import os
+    import shutil
+
+    from registry import serving
+
+    reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
+    uri = f"models:/{reg.name}/{reg.version}"
+    dest = serving.fetch_codec_dir(uri)  # loader A's copy, handed to its caller
+    inode = (dest / WEIGHTS).stat().st_ino
+    mv = store.get_version(uri)
+    for corrupt in (False, True):
+        tmp = tmp_path / f"b-tmp-{corrupt}"
+        tmp.mkdir()
+        ours = shutil.copytree(dest, tmp / "download")  # loader B's verified download, finished second
+        if corrupt:
+            (dest / WEIGHTS).write_bytes(b"garbage")
+        assert serving._place(ours, dest, tmp, mv, uri, None) == dest
+        if not corrupt:
+            assert (dest / WEIGHTS).stat().st_ino == inode  # A's copy, untouched
+        assert ResidualCodec.load(dest).layer_ids == [1, 2, 3]
+    old, young = dest.parent / ".v1-killed", dest.parent / ".v1-live"
+    old.mkdir()
+    young.mkdir()
+    os.utime(old, (0, 0))
+    shutil.rmtree(dest)
+    serving.fetch_codec_dir(uri)
+    assert not old.exists() and young.exists()
+
+
 def test_codec_for_another_backbone_is_refused(store, tmp_path):
     reg = store.register_codec(make_codec(tmp_path / "codec"), metrics={"rel_score": 1.0, "kr_measured": 0.2})
     other = tiny_llama_config(num_key_value_heads=4)  # another KV shape
