@@ -40,6 +40,7 @@ import registry
 from registry.store import client, experiment_id, retrying
 from tasks.backbones import resolve_backbone
 from tasks.measure import run_evaluation
+from tasks.validation import validate_benchmark
 from tasks.paired import ANSWER_NLL_TOLERANCE, PairedCheck, baseline_of, judge_paired, result_predictions
 from tasks.tracking import headline_metrics, metric_direction
 
@@ -157,6 +158,7 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
     codec_dir = str(registry.fetch_codec_dir(f"models:/{mv.name}/{mv.version}"))  # verified: complete, sha256
     config = {"methods": suite["methods"], "options": suite["options"]}
     result = run_evaluation(ref, codec_dir, config, use_cache=False, progress=progress)  # from scratch
+    validate_benchmark(result["rows"], methods=suite["methods"])  # a broken table is a failure, not figures to compare
     measured = headline_metrics(result["rows"], suite["method"])
 
     source, base_mv = _baseline(mv, against)

@@ -74,6 +74,8 @@ def cmd_bench_regress(args) -> int:
 
     import registry
 
+    from tasks.validation import TableValidationError
+
     from .bench_regress import bench_regress
     from .profiles import load_profile
 
@@ -87,6 +89,9 @@ def cmd_bench_regress(args) -> int:
     except registry.RegistryError as error:
         print(f"bench-regress: cannot check {uri}: {error}", file=sys.stderr)
         return 2
+    except TableValidationError as error:  # the code ran and measured something invalid: a failure, as in `rkv run`
+        print(f"bench-regress: {uri}: {error}", file=sys.stderr)
+        return 1
     print(report.text())
     if args.json:
         with open(args.json, "w") as f:

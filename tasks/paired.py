@@ -23,6 +23,7 @@ from registry.store import client, retrying
 from residualkv.evaluation.report import read_predictions
 
 from .tracking import headline_metrics
+from .validation import validate_benchmark
 
 PREDICTIONS_ARTIFACT = "tables/benchmark_predictions.jsonl"  # where log_results puts the harness's predictions
 
@@ -118,6 +119,7 @@ def baseline_of(mv, suite: Mapping[str, Any], remeasure: Callable[[str], Mapping
         return {"version": str(mv.version), "metrics": registry.version_metrics(mv),
                 "predictions": stored_predictions(mv), "remeasured": False}
     result = remeasure(str(registry.fetch_codec_dir(f"models:/{mv.name}/{mv.version}")))
+    validate_benchmark(result["rows"], methods=suite["methods"])  # judged against only if it is a valid table
     return {"version": str(mv.version), "metrics": headline_metrics(result["rows"], method),
             "predictions": result_predictions(result), "remeasured": True}
 

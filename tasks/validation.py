@@ -5,12 +5,15 @@ KR/CR table (one row per method and context length, from `residualkv.accounting.
     for ResidualKV methods |kr_measured - kr_window - kr_formula| <= kr_tol (kr_window: the FP16 recent
     window's bytes beyond coding those tokens, which the seed's formula has no term for; 0 when absent);
     cr >= beta (the full-attention layers' share) for methods that keep those layers (ResidualKV*,
-    OmniKV); every requested method present.
+    OmniKV); kr_measured = total_bytes / fp16_bytes and kr_gap_unexplained = 0 (to float rounding)
+    where the row carries them; every requested method present.
 Benchmark table (one row per method and context length, from the evaluation harness):
     (method, context_len) unique, score and every per-task score in [0, 1], rel_score finite and >= 0
     (absent only when the full cache scores 0 on every task: nothing to be relative to),
-    kr_measured in (0, 1.05], cr in [0, 1], ppl > 0 when present; every requested method present;
-    the full cache's rel_score is 1; rel_score's bootstrap interval, where present, ordered and >= 0.
+    kr_measured in (0, 1.05], cr in [0, 1], ppl and ppl_rel > 0 and finite when present, answer_nll >= 0
+    and answer_nll_delta finite when present, score present wherever tasks were scored; every requested
+    method present; the full cache's rel_score is 1; rel_score's bootstrap interval, where present, ordered
+    and >= 0.
 
 `validate_*` return the validated DataFrame or raise `TableValidationError`, whose message is a
 table of the failed checks with the offending methods; the flow stops on it and registers nothing.
@@ -30,6 +33,8 @@ with warnings.catch_warnings():
     from pandera.errors import SchemaError, SchemaErrors
 
 KR_UPPER = 1.05  # a compressed cache may exceed the FP16 baseline only by its bookkeeping on tiny inputs
+BYTES_TOL = 1e-9  # KR is a ratio of byte counts: float rounding only
+NOT_NAN = ("score", "rel_score", "kr_measured", "cr", "ppl", "ppl_rel", "answer_nll", "answer_nll_delta")
 RESIDUAL_PREFIX = "residualkv"
 
 
@@ -62,6 +67,19 @@ def kr_cr_schema(methods: Sequence[str], beta: float, kr_tol: float, cr_slack: f
     def no_missing_methods(df: pd.DataFrame) -> bool:
         return set(requested) <= set(df["method"])
 
+    def kr_is_the_bytes(df: pd.DataFrame) -> pd.Series:
+        if "total_bytes" not in df or "fp16_bytes" not in df:
+            return pd.Series(True, index=df.index)
+        both = df["total_bytes"].notna() & df["fp16_bytes"].notna()
+        ratio = df["total_bytes"].astype(float) / df["fp16_bytes"].astype(float)
+        return ~both | ((df["kr_measured"] - ratio).abs() <= BYTES_TOL)
+
+    def every_byte_explained(df: pd.DataFrame) -> pd.Series:
+        if "kr_gap_unexplained" not in df:
+            return pd.Series(True, index=df.index)
+        gap = df["kr_gap_unexplained"]
+        return gap.isna() | (gap.astype(float).abs() <= BYTES_TOL)
+
     return pa.DataFrameSchema(
         {
             "method": pa.Column(str, pa.Check.isin(requested, error="method not requested")),
@@ -69,11 +87,15 @@ def kr_cr_schema(methods: Sequence[str], beta: float, kr_tol: float, cr_slack: f
             "kr_measured": pa.Column(float, pa.Check.in_range(0.0, KR_UPPER, include_min=False), coerce=True),
             "kr_formula": pa.Column(float, pa.Check.in_range(0.0, KR_UPPER, include_min=False), coerce=True),
             "cr": pa.Column(float, pa.Check.in_range(0.0, 1.0 + cr_slack), coerce=True),
+            "total_bytes": pa.Column(float, pa.Check.gt(0), coerce=True, required=False, nullable=True),
+            "fp16_bytes": pa.Column(float, pa.Check.gt(0), coerce=True, required=False, nullable=True),
         },
         checks=[
             pa.Check(kr_matches_formula,
                      name=f"|kr_measured - kr_window - kr_formula| <= {kr_tol} (ResidualKV methods)"),
             pa.Check(cr_at_least_beta, name=f"cr >= beta = {beta:.4f} (methods that keep the full-attention layers)"),
+            pa.Check(kr_is_the_bytes, name="kr_measured == total_bytes / fp16_bytes"),
+            pa.Check(every_byte_explained, name=f"|kr_gap_unexplained| <= {BYTES_TOL:g} (every byte accounted for)"),
             pa.Check(no_missing_methods, name=f"every requested method present: {requested}"),
         ],
         unique=["method", "context_len"],
@@ -94,6 +116,14 @@ def benchmark_schema(methods: Sequence[str], task_columns: Iterable[str] = (), f
         "cr": pa.Column(float, pa.Check.in_range(0.0, 1.0), coerce=True),
         "ppl": pa.Column(float, [pa.Check.gt(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
                          coerce=True, required=False, nullable=True),
+        # ppl_rel guards promotion (and is the score of profiles that rank by perplexity)
+        "ppl_rel": pa.Column(float, [pa.Check.gt(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
+                             coerce=True, required=False, nullable=True),
+        "answer_nll": pa.Column(float, [pa.Check.ge(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
+                                coerce=True, required=False, nullable=True),
+        "answer_nll_delta": pa.Column(float, pa.Check(lambda s: s.map(math.isfinite), name="finite"), coerce=True,
+                                      required=False, nullable=True),
+        "context_len": pa.Column(int, pa.Check.ge(0), coerce=True),
     }
     for col in task_columns:
         columns[col] = pa.Column(float, pa.Check.in_range(0.0, 1.0), coerce=True, nullable=False)
@@ -110,12 +140,17 @@ def benchmark_schema(methods: Sequence[str], task_columns: Iterable[str] = (), f
         both = df["rel_score_ci_lo"].notna() & df["rel_score_ci_hi"].notna()
         return bool((df.loc[both, "rel_score_ci_lo"] <= df.loc[both, "rel_score_ci_hi"]).all())
 
+    def scored_where_tasks_ran(df: pd.DataFrame) -> pd.Series:
+        ran = df[list(task_columns)].notna().any(axis=1) if list(task_columns) else pd.Series(False, index=df.index)
+        return ~ran | df["score"].notna()
+
     def full_is_reference(df: pd.DataFrame) -> bool:
         full = df[(df["method"] == full_method) & df["rel_score"].notna()]
         return bool(((full["rel_score"] - 1.0).abs() <= full_tol).all())
 
     checks = [pa.Check(no_missing_methods, name=f"every requested method present: {requested}"),
-              pa.Check(ordered_interval, name="rel_score_ci_lo <= rel_score_ci_hi")]
+              pa.Check(ordered_interval, name="rel_score_ci_lo <= rel_score_ci_hi"),
+              pa.Check(scored_where_tasks_ran, name="score present where tasks were scored")]
     if full_method in requested:
         checks.append(pa.Check(full_is_reference, name=f"{full_method}.rel_score == 1 (scores are relative to it)"))
     return pa.DataFrameSchema(columns, checks=checks, name="benchmark", strict=False,
@@ -198,6 +233,12 @@ def validate_benchmark(rows: Sequence[dict[str, Any]] | pd.DataFrame, *, methods
     if isinstance(rows, pd.DataFrame):
         df, found = rows, [c for c in rows.columns if c.startswith("task_")]
     else:
+        # a table reads NaN as "absent" (nullable columns pass it): a NaN the harness computed is refused here
+        nan = [(r.get("method"), k) for r in rows for k in NOT_NAN
+               if isinstance(r.get(k), float) and math.isnan(r[k])]
+        if nan:
+            raise TableValidationError("benchmark", "NaN where a number was measured (absent values are None): "
+                                       + ", ".join(f"{m}.{k}" for m, k in nan))
         df, found = benchmark_frame(rows)
     if "method" not in df:
         raise TableValidationError("benchmark", f"no 'method' column; columns are {list(df.columns)}")

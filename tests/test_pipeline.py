@@ -486,6 +486,21 @@ def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():
     with pytest.raises(TableValidationError, match="kr_window"):
         validate_kr_cr([windowed], methods=[windowed["method"]], beta=0.0, kr_tol=1e-3)
     assert len(validate_kr_cr([dict(windowed, kr_window=0.05)], methods=[windowed["method"]], beta=0.0, kr_tol=1e-3)) == 1
+    # KR is the bytes: a row whose KR does not follow from its byte counts, or with unexplained bytes, fails
+    counted = dict(row, total_bytes=20.0, fp16_bytes=100.0, kr_gap_unexplained=0.0)
+    assert len(validate_kr_cr([counted], methods=["residualkv"], beta=0.0, kr_tol=1e-3)) == 1
+    with pytest.raises(TableValidationError, match=r"kr_measured == total_bytes / fp16_bytes"):
+        validate_kr_cr([dict(counted, total_bytes=95.0)], methods=["residualkv"], beta=0.0, kr_tol=1e-3)
+    with pytest.raises(TableValidationError, match="every byte accounted for"):
+        validate_kr_cr([dict(counted, kr_gap_unexplained=0.5)], methods=["residualkv"], beta=0.0, kr_tol=1e-3)
+    # the promotion guards and the answer NLL: positive, finite; a scored row has a score
+    for bad, check in [({"ppl_rel": -3.0}, "greater_than"), ({"ppl_rel": 0.0}, "greater_than"),
+                       ({"answer_nll": float("nan")}, "NaN where a number was measured"), ({"answer_nll_delta": float("inf")}, "finite"),
+                       ({"score": None}, "score present where tasks were scored")]:
+        with pytest.raises(TableValidationError, match=check):
+            validate_benchmark([full, dict(ok, **bad)], methods=["full", "residualkv"])
+    assert len(validate_benchmark([full, dict(ok, ppl_rel=0.9, answer_nll=1.2, answer_nll_delta=-0.1)],
+                                  methods=["full", "residualkv"])) == 2
 
 
 def test_a_paired_promotion_rule_reads_both_sides_predictions_in_the_flow(smoke, store):
