@@ -14,11 +14,13 @@ entry goes with them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from residualkv.paths import data_dir
 from residualkv.saved import write_file_atomically
@@ -76,16 +78,40 @@ def write_result(folder: Path, result: dict[str, Any]) -> None:
     write_file_atomically(folder / RESULT, json.dumps(result, indent=2, sort_keys=True, default=str))
 
 
+@contextlib.contextmanager
+def step_lock(folder: Path, what: str) -> Iterator[None]:
+    """Hold `folder` for one run: two runs of the same step (a scheduled run and a manual one) would
+    otherwise resume each other's checkpoints and write each other's results. The second waits, then
+    finds the first's result. flock: released when the holder exits, however it exits."""
+    from .common import say
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"{what}: another run is working in {folder}; waiting for it to finish")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def cached_step(step: str, payload: dict[str, Any], compute: Callable[[Path], dict[str, Any]], *,
                 use_cache: bool = True, validate: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """Run compute(folder) once per (step, payload); later calls return the stored result (with cached=True)."""
     folder = step_dir(step, payload)
-    if use_cache:
-        found = read_result(folder)
+
+    def finished() -> dict[str, Any] | None:
+        found = read_result(folder) if use_cache else None
         if found is not None and (validate is None or validate(found)):
             return found | {"cached": True, "step_dir": str(folder)}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "inputs.json").write_text(_canonical(payload))
-    result = compute(folder)
-    write_result(folder, result)
+        return None
+
+    if (done := finished()) is not None:
+        return done
+    with step_lock(folder, step):
+        if (done := finished()) is not None:  # another run finished it while this one waited
+            return done
+        (folder / "inputs.json").write_text(_canonical(payload))
+        result = compute(folder)
+        write_result(folder, result)
     return result | {"cached": False, "step_dir": str(folder)}

@@ -26,7 +26,7 @@ from residualkv.config import ResidualKVConfig
 from residualkv.training import TrainConfig
 from residualkv.training import train_codec as run_training
 
-from .cache import code_hash, read_result, step_key, write_result
+from .cache import code_hash, read_result, step_key, step_lock, write_result
 from .common import say, set_threads
 from .data import packed_data
 
@@ -122,32 +122,42 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     if use_cache and (done := _finished(folder)) is not None:
         say(f"training: reusing the finished run in {folder} ({done['steps']} steps)")
         return done | {"cached": True}
-    folder.mkdir(parents=True, exist_ok=True)
-    if not _rank_of:
-        (folder / "inputs.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
-    if config.get("launch") and not _rank_of:  # scale-out: the same training under `accelerate launch` (DDP over processes/machines)
-        return _launched(backbone_ref, packed, config, folder, run_id)
-    cache_config = ResidualKVConfig.from_dict(payload["cache_config"])
-    codec = start or ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
-                                             layer_d_c={int(i): d for i, d in payload.get("layer_d_c", {}).items()},
-                                             backbone=payload["backbone"], seed=int(config.get("seed", 0)))
-    data = packed_data(backbone_ref, {"source": packed["source"], "seq_len": packed["seq_len"]})
-    if data.meta["fingerprint"] != packed["fingerprint"]:
-        raise ValueError(f"the packed data changed under this run ({data.meta['fingerprint']} != {packed['fingerprint']})")
-    data_info = {"source": packed["source"], "fingerprint": packed["fingerprint"], "seq_len": packed["seq_len"],
-                 "train_blocks": packed["train_blocks"], "heldout_blocks": packed["heldout_blocks"]}
-    result = run_training(model, codec, data.train, folder, train_cfg, heldout_data=data.heldout, data_info=data_info,
-                          on_metrics=_metrics_sink(folder, run_id), progress=progress)
-    out = {"codec_dir": str(result.codec_path), "run_dir": str(folder), "steps": result.steps,
-           "total_steps": result.total_steps, "tokens": result.tokens, "train_seconds": result.seconds,
-           "resumed_from": result.resumed_from, "stopped_early": result.stopped_early, "metrics": result.metrics,
-           "metrics_file": str(folder / "metrics.jsonl"), "backbone": payload["backbone"],
-           "fingerprint": payload["fingerprint"], "data_fingerprint": packed["fingerprint"], "key": folder.name}
-    if _is_main_process():
-        write_result(folder, out)  # last: marks the run finished for the next caller
-    if result.resumed_from is not None:
-        say(f"training resumed from step {result.resumed_from}")
-    return out | {"cached": False}
+
+    def train() -> dict[str, Any]:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not _rank_of:
+            (folder / "inputs.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+        if config.get("launch") and not _rank_of:  # scale-out: the same training under `accelerate launch` (DDP over processes/machines)
+            return _launched(backbone_ref, packed, config, folder, run_id)
+        cache_config = ResidualKVConfig.from_dict(payload["cache_config"])
+        codec = start or ResidualCodec.for_model(model.config, cache_config, d_c=payload["d_c"], d_ff=payload["d_ff"],
+                                                 layer_d_c={int(i): d for i, d in payload.get("layer_d_c", {}).items()},
+                                                 backbone=payload["backbone"], seed=int(config.get("seed", 0)))
+        data = packed_data(backbone_ref, {"source": packed["source"], "seq_len": packed["seq_len"]})
+        if data.meta["fingerprint"] != packed["fingerprint"]:
+            raise ValueError(f"the packed data changed under this run ({data.meta['fingerprint']} != {packed['fingerprint']})")
+        data_info = {"source": packed["source"], "fingerprint": packed["fingerprint"], "seq_len": packed["seq_len"],
+                     "train_blocks": packed["train_blocks"], "heldout_blocks": packed["heldout_blocks"]}
+        result = run_training(model, codec, data.train, folder, train_cfg, heldout_data=data.heldout, data_info=data_info,
+                              on_metrics=_metrics_sink(folder, run_id), progress=progress)
+        out = {"codec_dir": str(result.codec_path), "run_dir": str(folder), "steps": result.steps,
+               "total_steps": result.total_steps, "tokens": result.tokens, "train_seconds": result.seconds,
+               "resumed_from": result.resumed_from, "stopped_early": result.stopped_early, "metrics": result.metrics,
+               "metrics_file": str(folder / "metrics.jsonl"), "backbone": payload["backbone"],
+               "fingerprint": payload["fingerprint"], "data_fingerprint": packed["fingerprint"], "key": folder.name}
+        if _is_main_process():
+            write_result(folder, out)  # last: marks the run finished for the next caller
+        if result.resumed_from is not None:
+            say(f"training resumed from step {result.resumed_from}")
+        return out | {"cached": False}
+
+    if _rank_of:  # a rank of `accelerate launch`: its parent holds the folder
+        return train()
+    with step_lock(folder, "training"):
+        if use_cache and (done := _finished(folder)) is not None:  # another run finished it while this one waited
+            say(f"training: reusing the run another process finished in {folder} ({done['steps']} steps)")
+            return done | {"cached": True}
+        return train()
 
 
 @task(name="train-codec", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)

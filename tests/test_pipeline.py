@@ -374,6 +374,32 @@ def test_step_keys_hash_every_library_source_file(tmp_path, monkeypatch):
     assert step_cache.code_hash("tasks.measure") != step_cache.source_hash("libx")  # the task module counts too
 
 
+def test_a_second_run_of_a_step_waits_for_the_first_and_reuses_its_result(tmp_path, monkeypatch):
+    """Two runs of one step at once (a scheduled run beside a manual one): the second waits on the step
+    folder's lock and returns what the first computed, instead of computing into the same folder."""
+    from tasks.cache import cached_step
+
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path / "data"))
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from tasks.cache import cached_step
+        def slow(folder):
+            (folder / "started").write_text("")
+            time.sleep(3)
+            return {"by": "first"}
+        print(cached_step("probe", {"k": 1}, slow)["by"])
+    """)], cwd=REPO, env=isolated_env(tmp_path / "data"), stdout=subprocess.PIPE, text=True)
+    started = next((tmp_path / "data" / "pipeline" / "probe").glob("*/started"), None)
+    deadline = time.monotonic() + 60
+    while started is None:
+        assert time.monotonic() < deadline and first.poll() is None, "the first run did not start"
+        time.sleep(0.05)
+        started = next((tmp_path / "data" / "pipeline" / "probe").glob("*/started"), None)
+    second = cached_step("probe", {"k": 1}, lambda folder: {"by": "second"})
+    assert second["by"] == "first" and second["cached"] is True
+    assert first.wait(60) == 0 and first.stdout.read().strip() == "first"
+
+
 def test_regression_table_logic():
     from flows.bench_regress import RegressReport, compare
 
