@@ -65,12 +65,19 @@ def fetch_codec_dir(uri: str, model_config=None) -> Path:
     return _fetch(uri, model_config, True)[0]
 
 
-def _fetch(uri: str, model_config, use_cache: bool) -> tuple[Path, ResidualCodec]:
+def servable_version(uri: str):
+    """The registry version `uri` names, refused unless its registration finished (cheap: no download;
+    the CLIs call it before loading a model)."""
     mv = get_version(uri)
     if not is_complete(mv):
         raise RegistryError(f"{uri} points at version {mv.version}, which is not complete ({COMPLETE_TAG} is not "
                             "'true'): its registration did not finish, so it is never served. Register the codec "
                             "again, or load a complete version")
+    return mv
+
+
+def _fetch(uri: str, model_config, use_cache: bool) -> tuple[Path, ResidualCodec]:
+    mv = servable_version(uri)
     sha12 = (mv.tags or {}).get("sha256", "")[:12] or "nosha"
     dest = cache_root() / mv.name / f"v{mv.version}-{sha12}"
     if use_cache and dest.is_dir():

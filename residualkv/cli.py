@@ -59,9 +59,13 @@ def resolve_codec(ref: str | None, model, spec, *, required: bool = True) -> Res
 
 
 def check_codec_ref(ref: str | None, flag: str = "--codec") -> None:
-    """A local codec path that does not exist fails before the model loads (minutes on a large model);
-    a models:/ URI is the registry's to check."""
-    if ref and not ref.startswith("models:/") and not Path(ref).exists():
+    """A codec that cannot be had fails before the model loads (minutes on a large model): a local path
+    that does not exist, or a models:/ URI the registry does not serve (its own error, which says why)."""
+    if ref and ref.startswith("models:/"):
+        from registry.serving import servable_version  # the registry wraps MLflow; the library does not import it
+
+        servable_version(ref)
+    elif ref and not Path(ref).exists():
         raise CodecError(f"{flag} {ref}: no such codec folder; pass the `codec` folder `rkv train` saved, or a "
                          "registry URI models:/NAME@ALIAS")
 

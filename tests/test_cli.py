@@ -138,6 +138,14 @@ def test_missing_input_files_fail_before_the_model_loads(tmp_path, capsys, monke
                    f"--codec {gone}: no such codec folder", "models:/NAME@ALIAS")
     _fails_cleanly(["generate", "hi", "--method", "residualkv", "--codec", gone], capsys,
                    "no such codec folder")
+    # a registry URI the store does not serve: the registry says so, still before the model loads
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    from registry.store import client
+
+    client().search_registered_models()  # the store's first use logs its table creation: not part of the error
+    capsys.readouterr()
+    _fails_cleanly(["eval", "--methods", "full,residualkv", "--codec", "models:/rkv-nothing@champion", "--json", out],
+                   capsys, "models:/rkv-nothing@champion")
 
 
 def test_checks_that_used_to_exit_1_are_bad_input_too(tmp_path, capsys):
