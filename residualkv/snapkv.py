@@ -42,6 +42,11 @@ class SnapKVLayer(DynamicLayer):
         self.window, self.ratio, self.budget, self.kernel_size = window, ratio, budget, kernel_size
         self.cumulative_length = 0  # tokens seen (logical length)
         self.pending_queries: torch.Tensor | None = None  # [B, H_q, w, D] set by the pre-hook
+        self.pending_mask: torch.Tensor | None = None  # the prefill's attention mask, set by the pre-hook
+        # per row: left-padding slots of the prompt, and how many of them are stored after eviction (a row
+        # with fewer real tokens than the kept count keeps them, masked; see _evict)
+        self.pads: list[int] | None = None
+        self.pads_kept: list[int] | None = None
         self.scaling: float | None = None
         self.compressed = False
         self.prompt_length = 0
@@ -62,14 +67,16 @@ class SnapKVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[-2] == 1 and self.cumulative_length > 0:  # a decode step: CR counts these only
-            self.tokens_available += key_states.shape[0] * self.cumulative_length
-            self.tokens_read += key_states.shape[0] * self.keys.shape[-2]
+            B = key_states.shape[0]  # history tokens per row, left padding not counted
+            self.tokens_available += B * self.cumulative_length - sum(self.pads or ())
+            self.tokens_read += B * self.keys.shape[-2] - sum(self.pads_kept or ())
         full_k = torch.cat([self.keys, key_states], dim=-2)
         full_v = torch.cat([self.values, value_states], dim=-2)
         self.cumulative_length += key_states.shape[-2]
         queries, self.pending_queries = self.pending_queries, None
+        mask, self.pending_mask = self.pending_mask, None
         if queries is not None and not self.compressed and self.cumulative_length == key_states.shape[-2]:
-            self.keys, self.values = self._evict(queries, full_k, full_v)
+            self.keys, self.values = self._evict(queries, full_k, full_v, mask)
             self.compressed = True
             self.prompt_length = full_k.shape[-2]
         else:
@@ -77,20 +84,44 @@ class SnapKVLayer(DynamicLayer):
         return full_k, full_v  # the step's own attention sees everything
 
     @torch.no_grad()
-    def _evict(self, queries, keys, values):
+    def _evict(self, queries, keys, values, mask: torch.Tensor | None = None):
+        """Keep, per row and KV head, the window and the n_sel best-voted prefix tokens.
+
+        Left padding: a padding slot gets no vote and is kept only where a row has fewer real tokens than
+        the kept count. Then the row keeps all its real tokens and the padding slots sort first (they lie
+        before every real token), so each stored slot j still lines up with column n - kept + j of the
+        padding mask that later steps build from `get_mask_sizes`: the padding stays masked. (Under a
+        ratio budget, the shorter rows of such a batch keep the count the padded length gives.)"""
         B, H_kv, n, D = keys.shape
         w = min(self.window, n, queries.shape[-2])
         n_sel = self.n_selected(n)
         prefix = n - w
+        real = None
+        if mask is not None:  # the last query row of the prefill's mask sees every real key and no padding
+            last = mask[:, 0, -1, :n]
+            real = last if last.dtype == torch.bool else last == 0
+        self.pads = [0] * B if real is None else (~real).sum(-1).tolist()
+        self.pads_kept = list(self.pads)
         if n_sel >= prefix:  # nothing to evict
             return keys, values
         from .attention import snapkv_head_scores, snapkv_token_scores
 
         scale = self.scaling if self.scaling is not None else D ** -0.5
         # the window's queries are the last w positions: causal inside the window, votes on the prefix only
-        votes = snapkv_token_scores(queries[..., -w:, :], keys, None, scale, w)[..., :prefix]
-        scores = snapkv_head_scores(votes, H_kv, self.kernel_size)  # [B, H_kv, prefix]
+        votes = snapkv_token_scores(queries[..., -w:, :], keys, mask, scale, w)[..., :prefix]
+        if real is None:
+            scores = snapkv_head_scores(votes, H_kv, self.kernel_size)  # [B, H_kv, prefix]
+        else:  # each row pooled over its own tokens only, as it would be alone; padding never wins a vote
+            if any(not bool(real[b, p:].all()) for b, p in enumerate(self.pads)):
+                raise ValueError("SnapKV: the attention mask pads a row other than on the left; pad prompts on "
+                                 "the left (tokenizer.padding_side = 'left'), as generate expects")
+            scores = votes.new_full((B, H_kv, prefix), float("-inf"))
+            for b, p in enumerate(self.pads):
+                if p < prefix:
+                    scores[b:b + 1, :, p:] = snapkv_head_scores(votes[b:b + 1, :, p:], H_kv, self.kernel_size)
         top = scores.topk(n_sel, dim=-1).indices.sort(dim=-1).values
+        kept = n_sel + w
+        self.pads_kept = [max(0, kept - (n - p)) for p in self.pads]
         window_idx = torch.arange(prefix, n, device=keys.device).expand(B, H_kv, w)
         idx = torch.cat([top, window_idx], dim=-1)  # not kept: attention needs only the kept K/V (and bytes)
         gather = idx[..., None].expand(-1, -1, -1, D)
@@ -106,7 +137,8 @@ class SnapKVLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.cumulative_length = 0
-        self.pending_queries = None
+        self.pending_queries = self.pending_mask = None
+        self.pads = self.pads_kept = None
         self.compressed = False
         self.prompt_length = 0
         self.tokens_read = self.tokens_available = 0
@@ -115,7 +147,12 @@ class SnapKVLayer(DynamicLayer):
         raise ValueError("a SnapKV cache cannot be cropped after eviction; re-run the prefill with a new cache")
 
     def stored_tokens(self) -> int:
-        return 0 if not self.is_initialized else self.keys.shape[0] * self.keys.shape[-2]
+        """Real tokens stored over the batch (padding slots kept to fill a short row are not tokens)."""
+        return 0 if not self.is_initialized else self.keys.shape[0] * self.keys.shape[-2] - sum(self.pads_kept or ())
+
+    def seen_tokens(self) -> int:
+        """Real tokens seen over the batch: what a full cache would hold for these rows."""
+        return 0 if not self.is_initialized else self.keys.shape[0] * self.cumulative_length - sum(self.pads or ())
 
 
 class SnapKVCache(Cache):
@@ -192,6 +229,8 @@ def _window_queries_hook(module, args, kwargs):
         q = module.q_norm(q)
     cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
     layer.pending_queries = (q * cos + _rotate_half(q) * sin).detach()
+    mask = kwargs.get("attention_mask")
+    layer.pending_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 4 else None
     return None
 
 
@@ -204,13 +243,16 @@ def snapkv_report(cache: SnapKVCache) -> dict[str, Any]:
     layers = [layer for layer in cache.layers if layer.is_initialized]
     per_token = [2 * layer.keys.shape[1] * layer.keys.shape[-1] * 2 for layer in layers]  # K+V, FP16
     kept = sum(layer.stored_tokens() * b for layer, b in zip(layers, per_token))
-    fp16 = sum(layer.keys.shape[0] * layer.cumulative_length * b for layer, b in zip(layers, per_token))
+    fp16 = sum(layer.seen_tokens() * b for layer, b in zip(layers, per_token))
     per_layer = [layer.tokens_read / layer.tokens_available if layer.tokens_available else 1.0 for layer in cache.layers]
     if layers:
         n, first = layers[0].prompt_length or layers[0].cumulative_length, layers[0]
         decoded = first.cumulative_length - n
         kept_prompt = (first.n_selected(n) + min(first.window, n)) if first.compressed else n
-        formula = (kept_prompt + decoded) / first.cumulative_length if first.cumulative_length else 0.0
+        # per row: a row keeps kept_prompt of its prompt, or all of it when it has fewer real tokens
+        real = [n - p for p in (first.pads or [0] * first.keys.shape[0])]
+        seen = sum(r + decoded for r in real)
+        formula = sum(min(kept_prompt, r) + decoded for r in real) / seen if seen else 0.0
     else:
         formula = 0.0
     kr = kept / fp16 if fp16 else 0.0

@@ -248,6 +248,42 @@ def test_snapkv_decoding_after_eviction_is_causal_and_positioned():
         torch.testing.assert_close(model(input_ids=nxt, cache=c).logits, model(input_ids=nxt, cache=d).logits)
 
 
+@pytest.mark.parametrize("budget", [16, 70])
+def test_snapkv_left_padded_batch_equals_rows_alone(budget):
+    """Padding never wins a vote, each row is pooled over its own tokens, and a row shorter than the kept
+    count keeps all its tokens with its padding still masked: every row of a left-padded batch generates
+    what it generates alone, and KR/CR count real tokens only."""
+    model = _snap_model()
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(1, 128, (1, 90), generator=g), torch.randint(1, 128, (1, 61), generator=g)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 29, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 90), torch.cat([torch.zeros(1, 29), torch.ones(1, 61)], 1)]).long()
+
+    def run(ids, m):
+        cache = SnapKVCache.from_model(model, window=8, budget=budget)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=m, cache=cache, max_new_tokens=6, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        return out, cache
+
+    both, cache = run(batch, mask)
+    for row, ids in enumerate((a, b)):
+        alone, _ = run(ids, torch.ones_like(ids))
+        assert both.sequences[row, 90:].tolist() == alone.sequences[0, ids.shape[1]:].tolist()
+        for x, y in zip(both.logits, alone.logits):
+            torch.testing.assert_close(x[row], y[0], rtol=1e-4, atol=1e-4)
+    layer = cache.layers[0]
+    kept = budget + 8
+    assert layer.pads == [0, 29] and layer.pads_kept == [0, max(0, kept - 61)]
+    rep = snapkv_report(cache)
+    real = 90 + 61 + 2 * 5  # the prompts' real tokens and the five decoded tokens each row stores
+    assert rep["kr_measured"] == pytest.approx((kept + min(kept, 61) + 2 * 5) / real)
+    assert rep["unexplained"] == pytest.approx(0.0, abs=1e-12)
+    # five decode steps, each reading the kept tokens (and earlier decoded ones) of 90 + 61 real + decoded
+    read = sum(kept + min(kept, 61) + 2 * i for i in range(5))
+    assert rep["cr"] == pytest.approx(read / sum(90 + 61 + 2 * i for i in range(5)))
+
+
 def test_snapkv_with_generate():
     model = _snap_model()
     ids = torch.randint(0, 128, (1, 90))
