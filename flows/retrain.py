@@ -103,6 +103,7 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_f
 
         kr = kr_cr_table(ref, codec_dir, prof.accounting)
         validate_kr_cr_table(kr, prof.accounting["methods"], float(prof.accounting["kr_tol"]))
+        out["kr_cr_rows"] = kr["rows"]
 
         bench = evaluate_codec(ref, codec_dir, prof.evaluate)
         validate_benchmark_table(bench, prof.evaluate["methods"])

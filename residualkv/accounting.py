@@ -64,7 +64,7 @@ def _nominal_read(cfg, n: int) -> int:
         return n
     from .attention import token_budget
 
-    forced = min(n, cfg.n_sink + cfg.n_recent)
+    forced = min(n, cfg.n_sink + max(cfg.n_recent, cfg.recent_window))  # the FP16 window is always read
     return min(n, forced + token_budget(cfg, n))
 
 

@@ -307,6 +307,9 @@ def test_summarize_rel_score_definition():
     assert rows["x"]["score"] == pytest.approx(0.7)
     silent = {r["method"]: r for r in summarize([rec("full", "a", 0.0), rec("x", "a", 0.0)], {}, ["full", "x"], [10])}
     assert silent["full"]["rel_score"] is None and silent["x"]["rel_score"] is None
+    # CR is what decode steps read: a sample whose first token ended it (no step, CR 1.0 by default) is left out
+    sparse = [rec("full", "a", 1.0), dict(rec("x", "a", 1.0), cr=0.3), dict(rec("x", "b", 1.0), cr=1.0, decode_steps=0)]
+    assert {r["method"]: r for r in summarize(sparse, {}, ["full", "x"], [10])}["x"]["cr"] == pytest.approx(0.3)
 
 
 def _sample_rec(m, sample, task, answer, score, seed, pred=None):

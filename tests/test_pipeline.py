@@ -105,6 +105,10 @@ def test_run_registers_a_champion_with_artifacts(smoke, store):
     metrics = store.version_metrics(mv)
     assert {"kr_measured", "cr", "ppl_rel", "score", "task.niah_single"} <= set(metrics)
     assert 0 < metrics["kr_measured"] < 1
+    # the KR/CR table's CR is measured over decode steps: OmniKV selecting 10% reads a fraction of the
+    # history, standalone all of it (as does `residualkv`, whose 2048-token budget covers a 512-token prompt)
+    cr = {r["method"]: r["cr"] for r in b["kr_cr_rows"]}
+    assert cr["residualkv-standalone"] == 1.0 == cr["residualkv"] and 0.25 <= cr["residualkv-r10"] < 0.6, cr
     from registry.store import client
 
     c = client()

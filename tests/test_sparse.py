@@ -314,6 +314,12 @@ def test_cr_matches_beta_plus_one_minus_beta_r(model, codec):
     assert rep["cr"] == pytest.approx(beta + (1 - beta) * r)
     assert rep["cr"] == pytest.approx(rep["cr_formula"], abs=1e-9)
     assert 0.25 < r < 0.35
+    # an FP16 recent window longer than n_recent is always read: the formula counts it as the selection does
+    windowed = ResidualKVCache.from_model(model, codec2, cfg, mode="omnikv", select_ratio=0.25, n_recent=4,
+                                          recent_window=24)
+    _generate(model, _ids(150, seed=3), windowed, n=5)
+    rep = accounting.report(windowed)
+    assert rep["cr"] == pytest.approx(rep["cr_formula"], abs=1e-9)
 
 
 # ---- batches --------------------------------------------------------------------------------------------
