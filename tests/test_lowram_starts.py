@@ -132,6 +132,25 @@ def test_starts_are_found_for_their_model_and_refused_for_another(model, starts,
     assert meta["kinds"] == ["meta", "warm"]
 
 
+def test_starts_learnt_for_the_key_layout_in_use_are_preferred(model, starts, tmp_path, monkeypatch):
+    """The predictors map keys as stored to values: starts learnt for another ratio, layer group or key
+    width are taken only where none match, with a warning that says so."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("RKV_DATA_DIR", str(tmp_path))
+    grouped = starts.save(tmp_path / "lowram" / "tiny" / "g2")  # learnt with layer_group=2, 4x, FP16 keys
+    q = Path(shutil.copytree(grouped, tmp_path / "lowram" / "tiny" / "g2-q"))
+    meta = json.loads((q / META).read_text())
+    meta["lowram_config"].update(ratio=5.0, key_bits=4)
+    (q / META).write_text(json.dumps(meta))
+    os.utime(q / META, (2e9, 2e9))  # the newest
+    assert PredictorStarts.resolve(None, model, LowRAMConfig(layer_group=2)).meta["path"] == str(grouped)
+    assert PredictorStarts.resolve(None, model, LowRAMConfig(layer_group=2, ratio=5.0, key_bits=4)).meta["path"] == str(q)
+    with pytest.warns(UserWarning, match="no LowRAM starts learnt for .*'layer_group': 3"):
+        assert PredictorStarts.resolve(None, model, LowRAMConfig(layer_group=3)).meta["path"] == str(q)
+
+
 def test_an_interrupted_run_resumes_from_its_checkpoint(model, tmp_path, monkeypatch):
     import residualkv.lowram.meta as meta
 

@@ -359,7 +359,7 @@ class LowRAMCache(Cache):
         if config.start == "slim":
             starts = slim_starts(model, n_kv, head_dim)
         else:
-            saved = PredictorStarts.resolve(config.starts_path, model)
+            saved = PredictorStarts.resolve(config.starts_path, model, config)
             starts = [saved.start(config.start, i) for i in range(n_layers)]
             hidden = max(1, round(config.hidden_factor * head_dim))
             if starts[0].w1.shape[-1] != hidden:

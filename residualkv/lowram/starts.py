@@ -11,6 +11,7 @@ of the same shape (a fine-tune).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,14 @@ _LOADED: dict[tuple, "PredictorStarts"] = {}  # (folder, its files' mtimes and s
 
 def starts_root() -> Path:
     return data_dir() / "lowram"
+
+
+LAYOUT_FIELDS = ("ratio", "layer_group", "key_bits")  # what shapes the keys a predictor is learnt on
+
+
+def _layout(meta_file: Path) -> dict[str, Any]:
+    saved = json.loads(meta_file.read_text()).get("lowram_config") or {}
+    return {k: saved.get(k) for k in LAYOUT_FIELDS}
 
 
 @dataclass
@@ -76,8 +85,10 @@ class PredictorStarts:
         return starts
 
     @classmethod
-    def resolve(cls, path: str | None, model) -> "PredictorStarts":
-        """`path`, else the newest starts saved under the data directory for this model's K/V weights."""
+    def resolve(cls, path: str | None, model, config=None) -> "PredictorStarts":
+        """`path`, else the newest starts saved under the data directory for this model's K/V weights,
+        preferring those learnt for `config`'s key layout (ratio, layer group, key bits: the predictors map
+        the keys as stored to values). Where none was learnt for it, the newest is used and a warning says so."""
         if path is not None:
             return cls.load(path, model)
         digest, root = kv_digest(model), starts_root()
@@ -94,5 +105,15 @@ class PredictorStarts:
         if not found:
             raise ConfigError("start='warm' or 'meta' needs predictor starts learnt on this model: run "
                               "`rkv lowram-init --backbone NAME` once (minutes on CPU), or pass starts_path=FOLDER")
+        if config is not None:
+            want = {k: getattr(config, k) for k in LAYOUT_FIELDS}
+            same = [m for m in found if _layout(m) == want]
+            if same:
+                found = same
+            else:
+                newest = max(found, key=lambda p: p.stat().st_mtime)
+                warnings.warn(f"no LowRAM starts learnt for {want} on this model; using {newest.parent} (learnt for "
+                              f"{_layout(newest)}). Run `rkv lowram-init` with these settings for starts that match",
+                              stacklevel=2)
         # its digest was just matched against this model's: no second pass over the weights
         return cls.load(max(found, key=lambda p: p.stat().st_mtime).parent)
