@@ -91,7 +91,8 @@ class SnapKVLayer(DynamicLayer):
         the kept count. Then the row keeps all its real tokens and the padding slots sort first (they lie
         before every real token), so each stored slot j still lines up with column n - kept + j of the
         padding mask that later steps build from `get_mask_sizes`: the padding stays masked. (Under a
-        ratio budget, the shorter rows of such a batch keep the count the padded length gives.)"""
+        ratio budget, the shorter rows of such a batch keep the count the padded length gives.) KR counts
+        those slots (bytes held) over real tokens only; CR counts real tokens read."""
         B, H_kv, n, D = keys.shape
         w = min(self.window, n, queries.shape[-2])
         n_sel = self.n_selected(n)
@@ -147,8 +148,8 @@ class SnapKVLayer(DynamicLayer):
         raise ValueError("a SnapKV cache cannot be cropped after eviction; re-run the prefill with a new cache")
 
     def stored_tokens(self) -> int:
-        """Real tokens stored over the batch (padding slots kept to fill a short row are not tokens)."""
-        return 0 if not self.is_initialized else self.keys.shape[0] * self.keys.shape[-2] - sum(self.pads_kept or ())
+        """Token slots held over the batch: bytes held, so padding slots kept to fill a short row count."""
+        return 0 if not self.is_initialized else self.keys.shape[0] * self.keys.shape[-2]
 
     def seen_tokens(self) -> int:
         """Real tokens seen over the batch: what a full cache would hold for these rows."""
@@ -235,7 +236,8 @@ def _window_queries_hook(module, args, kwargs):
 
 
 def snapkv_report(cache: SnapKVCache) -> dict[str, Any]:
-    """Accounting in the shape of `accounting.report`: kept tokens x FP16 over all tokens x FP16.
+    """Accounting in the shape of `accounting.report`: kept token slots x FP16 over the real tokens seen x FP16
+    (left padding is no token; a padding slot a short row keeps is bytes held).
 
     Nothing else is stored: kept keys are already rotated with their own positions and later positions
     come from the logical length, so no index or position bytes are needed.
@@ -249,10 +251,11 @@ def snapkv_report(cache: SnapKVCache) -> dict[str, Any]:
         n, first = layers[0].prompt_length or layers[0].cumulative_length, layers[0]
         decoded = first.cumulative_length - n
         kept_prompt = (first.n_selected(n) + min(first.window, n)) if first.compressed else n
-        # per row: a row keeps kept_prompt of its prompt, or all of it when it has fewer real tokens
+        # every row holds kept_prompt slots (a row with fewer real tokens fills them with masked padding),
+        # over the real tokens the rows have seen
         real = [n - p for p in (first.pads or [0] * first.keys.shape[0])]
         seen = sum(r + decoded for r in real)
-        formula = sum(min(kept_prompt, r) + decoded for r in real) / seen if seen else 0.0
+        formula = len(real) * (kept_prompt + decoded) / seen if seen else 0.0
     else:
         formula = 0.0
     kr = kept / fp16 if fp16 else 0.0

@@ -277,7 +277,7 @@ def test_snapkv_left_padded_batch_equals_rows_alone(budget):
     assert layer.pads == [0, 29] and layer.pads_kept == [0, max(0, kept - 61)]
     rep = snapkv_report(cache)
     real = 90 + 61 + 2 * 5  # the prompts' real tokens and the five decoded tokens each row stores
-    assert rep["kr_measured"] == pytest.approx((kept + min(kept, 61) + 2 * 5) / real)
+    assert rep["kr_measured"] == pytest.approx((2 * kept + 2 * 5) / real)  # slots held (padding too) / real tokens
     assert rep["unexplained"] == pytest.approx(0.0, abs=1e-12)
     # five decode steps, each reading the kept tokens (and earlier decoded ones) of 90 + 61 real + decoded
     read = sum(kept + min(kept, 61) + 2 * i for i in range(5))
