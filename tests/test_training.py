@@ -317,6 +317,13 @@ def test_resume_refuses_another_backbone_or_codec_shape_before_loading_weights(t
         train_codec(model, wider, packed.train, tmp_path / "run", fast(steps=2), progress=False)
     with pytest.raises(TrainError, match="bf16=True but the run .* used False"):
         train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=2, bf16=True), progress=False)
+    # a checkpoint written before a cache setting existed had its default: it still resumes
+    state = tmp_path / "run" / "checkpoints" / "step-2" / "trainer_state.json"
+    saved = json.loads(state.read_text())
+    del saved["codec"]["cache_config"]["stride_alpha"]
+    state.write_text(json.dumps(saved))
+    assert train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=2),
+                       progress=False).resumed_from == 2
 
 
 def test_served_reading_resumes_bit_for_bit(tmp_path, packed):

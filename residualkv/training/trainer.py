@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..backbones import kv_digest
 from ..cache import ResidualKVCache
 from ..codec import ResidualCodec
-from ..config import InputError
+from ..config import InputError, ResidualKVConfig
 from ..saved import write_dir_atomically
 from .packing import insert_recalls
 from .warmstart import coding_config
@@ -656,7 +656,9 @@ class CodecTrainer:
         for key, ours in self.identity.items():
             theirs = saved.get(key)
             if key == "cache_config":
-                diff = sorted(k for k in set(ours) | set(theirs or {}) if ours.get(k) != (theirs or {}).get(k))
+                # a setting added after the checkpoint was written had its default then
+                theirs = json.loads(json.dumps(ResidualKVConfig().to_dict() | (theirs or {})))
+                diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
                 what = f"the codec's cache settings ({', '.join(diff)}: {', '.join(f'{k}={theirs.get(k)!r}' for k in diff)} " \
                        f"there, {', '.join(f'{k}={ours.get(k)!r}' for k in diff)} here)" if diff else ""
             elif key == "kv_digest":
