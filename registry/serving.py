@@ -16,12 +16,13 @@ only after verification); a cached copy is re-hashed on every load and replaced 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from residualkv.codec import META, WEIGHTS, CodecError, ResidualCodec
-from residualkv.saved import sha256_file
+from residualkv.saved import exchange_paths, sha256_file
 from residualkv.paths import data_dir
 
 from . import env
@@ -86,7 +87,7 @@ def _fetch(uri: str, model_config, use_cache: bool) -> tuple[Path, ResidualCodec
         except RegistryError as error:
             if "does not fit" in str(error) or "trained for backbone" in str(error):
                 raise  # wrong model, not a bad cache
-            shutil.rmtree(dest, ignore_errors=True)
+            # a bad copy (or one another loader was swapping): download again; _place swaps it out
     source = retrying(client().get_model_version_download_uri, mv.name, str(mv.version))
     dest.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale_downloads(dest.parent)
@@ -107,20 +108,30 @@ def _fetch(uri: str, model_config, use_cache: bool) -> tuple[Path, ResidualCodec
 
 def _place(path: Path, dest: Path, tmp: Path, mv, uri: str, model_config) -> Path:
     """Move a verified download to `dest`. Another loader may have placed its copy there meanwhile and
-    handed it to a caller that reads it later (fetch_codec_dir), so an existing copy is never deleted
-    while it verifies: ours is dropped instead. Only a copy that fails verification is moved aside."""
-    try:
-        path.rename(dest)
-        return dest
-    except OSError:
-        pass
-    try:
-        _verify(dest, mv, uri, model_config)
-        return dest  # a concurrent loader's identical, verified copy
-    except RegistryError:
-        dest.rename(tmp / "corrupted")  # removed with tmp; ours takes its place
-        path.rename(dest)
-        return dest
+    handed it to a caller that reads it later (fetch_codec_dir): a copy that verifies is kept and ours
+    dropped. One that does not is swapped for ours in one step (renameat2), never deleted in place, so
+    `dest` always holds a whole folder; every verified copy has the same bytes, so a reader holding the
+    path reads the same codec whichever copy is there. Where no swap is possible, ours is kept beside."""
+    for _ in range(3):  # another loader may be swapping at the same moment: look again
+        try:
+            path.rename(dest)
+            return dest
+        except OSError:
+            pass  # dest exists (a whole folder, or one being swapped)
+        try:
+            _verify(dest, mv, uri, model_config)
+            return dest  # a concurrent loader's identical, verified copy
+        except RegistryError:
+            pass
+        try:
+            if exchange_paths(path, dest):  # ours in, the bad one out (removed with tmp)
+                return dest
+        except FileNotFoundError:
+            continue  # dest vanished mid-swap: try the plain rename again
+        break
+    private = dest.parent / f"{dest.name}.copy-{os.getpid()}-{tmp.name[-8:]}"
+    path.rename(private)  # a verified copy of our own that no other loader touches
+    return private
 
 
 def _sweep_stale_downloads(folder: Path, older_than_s: float = 3600.0) -> None:

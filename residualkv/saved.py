@@ -47,7 +47,7 @@ def write_dir_atomically(directory: str | Path, write: Callable[[Path], None]) -
         _fsync(tmp)
         if not directory.exists():
             os.replace(tmp, directory)
-        elif _exchange(tmp, directory):  # tmp now holds the old folder
+        elif exchange_paths(tmp, directory):  # tmp now holds the old folder
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
@@ -88,7 +88,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange_paths(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
     libc = _libc()
     if libc is None:

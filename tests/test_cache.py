@@ -265,7 +265,7 @@ def test_a_saved_folder_is_replaced_whole_and_a_failed_save_keeps_the_old_one(tm
     from residualkv import saved
 
     if not exchange:  # a file system without RENAME_EXCHANGE: the two-rename fallback
-        monkeypatch.setattr(saved, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(saved, "exchange_paths", lambda a, b: False)
     target = tmp_path / "codec"
     saved.write_dir_atomically(target, lambda d: (d / "w").write_text("v1"))
     (tmp_path / "codec.old").mkdir()  # what an interrupted save of the earlier scheme left behind

@@ -216,7 +216,7 @@ def test_corrupted_cached_copy_is_replaced(store, tmp_path):
     assert (cached / WEIGHTS).stat().st_size > 100
 
 
-def test_a_loader_never_deletes_a_copy_another_loader_handed_out(store, tmp_path):
+def test_a_loader_never_deletes_a_copy_another_loader_handed_out(store, tmp_path, monkeypatch):
     """Two cold loaders of one version: the second to finish finds the first's verified copy in place (and
     maybe already in a caller's hands, fetch_codec_dir): it keeps that copy and drops its own. A copy that
     no longer verifies is replaced. Temporary folders of killed downloads are swept once they are old."""
@@ -240,6 +240,18 @@ def test_a_loader_never_deletes_a_copy_another_loader_handed_out(store, tmp_path
         if not corrupt:
             assert (dest / WEIGHTS).stat().st_ino == inode  # A's copy, untouched
         assert ResidualCodec.load(dest).layer_ids == [1, 2, 3]
+    # where the file system cannot swap two folders, a bad copy in place is left alone and ours kept beside it
+    swap = serving.exchange_paths
+    monkeypatch.setattr(serving, "exchange_paths", lambda a, b: False)
+    tmp = tmp_path / "c-tmp"
+    tmp.mkdir()
+    ours = shutil.copytree(dest, tmp / "download")
+    (dest / WEIGHTS).write_bytes(b"garbage")
+    private = serving._place(ours, dest, tmp, mv, uri, None)
+    assert private != dest and private.parent == dest.parent and ResidualCodec.load(private).layer_ids == [1, 2, 3]
+    assert (dest / WEIGHTS).read_bytes() == b"garbage"
+    shutil.rmtree(private)
+    monkeypatch.setattr(serving, "exchange_paths", swap)
     old, young = dest.parent / ".v1-killed", dest.parent / ".v1-live"
     old.mkdir()
     young.mkdir()
