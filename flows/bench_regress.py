@@ -158,7 +158,9 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
     codec_dir = str(registry.fetch_codec_dir(f"models:/{mv.name}/{mv.version}"))  # verified: complete, sha256
     config = {"methods": suite["methods"], "options": suite["options"]}
     result = run_evaluation(ref, codec_dir, config, use_cache=False, progress=progress)  # from scratch
-    validate_benchmark(result["rows"], methods=suite["methods"])  # a broken table is a failure, not figures to compare
+    # a broken table is a failure, not figures to compare
+    validate_benchmark(result["rows"], methods=suite["methods"], table=f"v{mv.version}'s re-run benchmark",
+                       consequence="the re-run measured invalid figures")
     measured = headline_metrics(result["rows"], suite["method"])
 
     source, base_mv = _baseline(mv, against)

@@ -11,6 +11,7 @@ an interrupted training run continues from its last checkpoint.
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from typing import Any
@@ -140,7 +141,7 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_f
     except TableValidationError as error:
         say(str(error), error=True)
         out["status"], out["error"] = "failed", str(error)
-        _safe(log_failure, run_id, error.table.replace("/", "_"), str(error))
+        _safe(log_failure, run_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", error.table), str(error))  # a file name
         _safe(end_run.fn, run_id, "FAILED", str(error))
     except Exception as error:  # noqa: BLE001 - reported per backbone, the flow fails at the end
         out["status"], out["error"] = "failed", f"{type(error).__name__}: {error}"

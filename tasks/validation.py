@@ -41,8 +41,9 @@ RESIDUAL_PREFIX = "residualkv"
 class TableValidationError(ValueError):
     """A table failed its schema; str() is a readable report."""
 
-    def __init__(self, table: str, report: str, failures: pd.DataFrame | None = None):
-        super().__init__(f"{table} table failed validation - nothing was registered.\n{report}")
+    def __init__(self, table: str, report: str, failures: pd.DataFrame | None = None,
+                 consequence: str = "nothing was registered"):
+        super().__init__(f"{table} table failed validation - {consequence}.\n{report}")
         self.table = table
         self.report = report
         self.failures = failures
@@ -210,12 +211,13 @@ def schema_name(error: SchemaErrors | SchemaError) -> str:
     return str(getattr(schema, "name", "") or "")
 
 
-def _validate(schema: pa.DataFrameSchema, df: pd.DataFrame, table: str, requested: Sequence[str]) -> pd.DataFrame:
+def _validate(schema: pa.DataFrameSchema, df: pd.DataFrame, table: str, requested: Sequence[str],
+              consequence: str = "nothing was registered") -> pd.DataFrame:
     try:
         return schema.validate(df, lazy=True)
     except (SchemaErrors, SchemaError) as error:
         text, cases = _report(error, df, requested)
-        raise TableValidationError(table, text, cases) from None
+        raise TableValidationError(table, text, cases, consequence) from None
 
 
 def validate_kr_cr(rows: Sequence[dict[str, Any]] | pd.DataFrame, *, methods: Sequence[str], beta: float,
@@ -227,9 +229,11 @@ def validate_kr_cr(rows: Sequence[dict[str, Any]] | pd.DataFrame, *, methods: Se
 
 
 def validate_benchmark(rows: Sequence[dict[str, Any]] | pd.DataFrame, *, methods: Sequence[str],
-                       task_columns: Iterable[str] | None = None) -> pd.DataFrame:
+                       task_columns: Iterable[str] | None = None, table: str = "benchmark",
+                       consequence: str = "nothing was registered") -> pd.DataFrame:
     """Validate the benchmark rows. rel_score may be missing only where the full cache scores 0 on every task
-    (the harness then has no reference to be relative to, e.g. a tiny random model)."""
+    (the harness then has no reference to be relative to, e.g. a tiny random model). `table` and
+    `consequence` name the table and what its failure means in the error."""
     if isinstance(rows, pd.DataFrame):
         df, found = rows, [c for c in rows.columns if c.startswith("task_")]
     else:
@@ -237,14 +241,14 @@ def validate_benchmark(rows: Sequence[dict[str, Any]] | pd.DataFrame, *, methods
         nan = [(r.get("method"), k) for r in rows for k in NOT_NAN
                if isinstance(r.get(k), float) and math.isnan(r[k])]
         if nan:
-            raise TableValidationError("benchmark", "NaN where a number was measured (absent values are None): "
-                                       + ", ".join(f"{m}.{k}" for m, k in nan))
+            raise TableValidationError(table, "NaN where a number was measured (absent values are None): "
+                                       + ", ".join(f"{m}.{k}" for m, k in nan), consequence=consequence)
         df, found = benchmark_frame(rows)
     if "method" not in df:
-        raise TableValidationError("benchmark", f"no 'method' column; columns are {list(df.columns)}")
+        raise TableValidationError(table, f"no 'method' column; columns are {list(df.columns)}", consequence=consequence)
     signal = "rel_score" in df and df["rel_score"].notna().any()
     schema = benchmark_schema(methods, found if task_columns is None else task_columns, rel_score_required=bool(signal))
-    return _validate(schema, df, "benchmark", methods)
+    return _validate(schema, df, table, methods, consequence)
 
 
 # ---------------------------------------------------------------------------------------------- Prefect tasks

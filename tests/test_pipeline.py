@@ -531,6 +531,10 @@ def test_benchmark_schema_checks_the_interval_and_kr_cr_schema_ignores_it():
             validate_benchmark([full, dict(ok, **bad)], methods=["full", "residualkv"])
     assert len(validate_benchmark([full, dict(ok, ppl_rel=0.9, answer_nll=1.2, answer_nll_delta=-0.1)],
                                   methods=["full", "residualkv"])) == 2
+    # a table other than the candidate's says what its failure means (the candidate may already be registered)
+    with pytest.raises(TableValidationError, match="v3's re-measured benchmark table failed validation - nothing can be"):
+        validate_benchmark([full, dict(ok, ppl_rel=-1.0)], methods=["full", "residualkv"],
+                           table="v3's re-measured benchmark", consequence="nothing can be judged against v3")
 
 
 def test_a_paired_promotion_rule_reads_both_sides_predictions_in_the_flow(smoke, store):
