@@ -199,7 +199,7 @@ def _check_registry_and_schedule(path: Path, sections: dict[str, dict[str, Any]]
     name = sections["registry"]["model_name"]
     try:
         formatted = name.format(backbone="b") if isinstance(name, str) else None
-    except (KeyError, IndexError, ValueError) as error:
+    except (KeyError, IndexError, ValueError, AttributeError) as error:
         raise ProfileError(f"{path}: registry.model_name {name!r} cannot be formatted ({type(error).__name__}: "
                            f"{error}); the only placeholder is {{backbone}}, e.g. 'rkv-{{backbone}}'") from None
     if not formatted:
@@ -218,7 +218,7 @@ def _check_registry_and_schedule(path: Path, sections: dict[str, dict[str, Any]]
 
         try:
             ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError):
+        except (ZoneInfoNotFoundError, ValueError, TypeError):
             raise ProfileError(f"{path}: schedule.timezone {tz!r} is not an IANA time zone; e.g. UTC or "
                                "Europe/Berlin") from None
         try:

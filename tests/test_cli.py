@@ -56,6 +56,8 @@ def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_st
     original = yaml.safe_load((configs_dir() / "pipelines" / "smoke.yaml").read_text())
     for section, change, expected in [
         ("registry", {"model_name": "rkv-{backbon}"}, "registry.model_name 'rkv-{backbon}' cannot be formatted"),
+        ("registry", {"model_name": "rkv-{backbone.x}"}, "registry.model_name 'rkv-{backbone.x}' cannot be formatted"),
+        ("schedule", {"timezone": 5}, "schedule.timezone 5 is not an IANA time zone"),
         ("registry", {"promotion": {"score_metric": "ppl_rell"}}, "registry.promotion.score_metric 'ppl_rell' is not a metric"),
         ("schedule", {"cron": "0 3 * *"}, "schedule.cron '0 3 * *'"),
         ("schedule", {"timezone": "Mars/Base"}, "schedule.timezone 'Mars/Base' is not an IANA time zone"),

@@ -35,7 +35,10 @@ LAYOUT_FIELDS = ("ratio", "layer_group", "key_bits")  # what shapes the keys a p
 
 
 def _layout(meta_file: Path) -> dict[str, Any]:
-    saved = json.loads(meta_file.read_text()).get("lowram_config") or {}
+    try:
+        saved = json.loads(meta_file.read_text()).get("lowram_config") or {}
+    except (OSError, json.JSONDecodeError):  # being replaced by a save this moment: matches nothing
+        saved = {}
     return {k: saved.get(k) for k in LAYOUT_FIELDS}
 
 
