@@ -25,9 +25,9 @@ def register(subparsers) -> None:
                                                  "(default: the champion of the profile's first backbone)")
     b.add_argument("--profile", default="quick", help="its registry.tracking_uri (if set) is the store read, and it names the default "
                                                  "model (rkv-<backbone>) when --codec is not given")
-    b.add_argument("--tolerance", type=float, default=0.02,
+    b.add_argument("--tolerance", type=_tolerance, default=0.02,
                    help="allowed worsening: absolute for scores and KR, relative for perplexities (default 0.02)")
-    b.add_argument("--nll-tolerance", type=float, default=None,
+    b.add_argument("--nll-tolerance", type=_tolerance, default=None,
                    help="against another version: the answer NLL (nats/token) may rise by this much on the same "
                         "samples before an interval wholly above it is a regression (default 0.05)")
     b.add_argument("--against", default="auto", choices=("auto", "self", "champion"),
@@ -59,6 +59,19 @@ def cmd_run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
     return code
+
+
+def _tolerance(text: str) -> float:
+    """argparse type: a tolerance is a finite number >= 0 (a negative one would flag every metric: exit 2, not 1)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"needs a finite number >= 0, got {text}")
+    return value
 
 
 def default_uri(prof) -> str:

@@ -181,7 +181,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
             from residualkv.methods import METHODS
 
             raise ProfileError(f"{path}: unknown method(s) {unknown_methods} in `{section}.methods`; known: "
-                               f"{', '.join(METHODS)}, snapkv, snapkv-NN")
+                               f"{', '.join(METHODS)}, snapkv-NN")
     return Profile(name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
                    backbones=list(backbones), path=path, raw=raw, **sections)
 

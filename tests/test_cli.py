@@ -150,6 +150,16 @@ def test_missing_input_files_fail_before_the_model_loads(tmp_path, capsys, monke
                    capsys, "models:/rkv-nothing@champion")
 
 
+@pytest.mark.parametrize("flag", ["--tolerance", "--nll-tolerance"])
+def test_a_negative_bench_regress_tolerance_is_a_usage_error(flag, capsys):
+    """It would flag every metric as a regression: exit 1, which a CI gate reads as a failed run."""
+    from flows.cli import main as flows_main
+
+    with pytest.raises(SystemExit) as exit_:
+        flows_main(["bench-regress", flag, "-0.5"])
+    assert exit_.value.code == 2 and "needs a finite number >= 0, got -0.5" in capsys.readouterr().err
+
+
 def test_checks_that_used_to_exit_1_are_bad_input_too(tmp_path, capsys):
     """A CI gate reads exit 1 as a failed run and 2 as a wrong call: these are wrong calls."""
     out = str(tmp_path / "e.json")

@@ -93,7 +93,8 @@ def test_synthetic_answers_are_well_formed(tok):
 
 
 def test_synthetic_refuses_a_context_too_short(tok):
-    with pytest.raises(LengthError):
+    with pytest.raises(LengthError, match=r"cwe: 1 item\(s\) already exceed context_len=200 \(\d+ tokens\); use a "
+                                          "longer --context-len, or leave cwe out with --synthetic-tasks"):
         SyntheticGenerator(tok).sample("cwe", 200, 0)
 
 

@@ -224,7 +224,9 @@ class _Builder:
             return self._sample(parts, parts["header"] + "\n" + body + "\n")
 
         if self.length(render(min_items, 0)) > self.target:
-            raise LengthError(f"{self.task.name}: {min_items} item(s) already exceed context_len={self.target}")
+            raise LengthError(f"{self.task.name}: {min_items} item(s) already exceed context_len={self.target} "
+                              f"({self.length(render(min_items, 0))} tokens); use a longer --context-len, or "
+                              f"leave {self.task.name} out with --synthetic-tasks")
         lo, hi = min_items, min_items * 2
         while self.length(render(hi, 0)) <= self.target:
             lo, hi = hi, hi * 2
