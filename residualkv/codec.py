@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,10 @@ class ResidualCodec(nn.Module):
         model for an instruct codec, a fine-tune): its keys and values are not the ones it learnt to code."""
         from .backbones import kv_digest
 
+        if not self.kv_digest and "training" in self.extra:  # trained before codecs recorded the digest
+            warnings.warn(f"this codec ({self.backbone or 'unnamed'}) records no digest of the K/V weights it was "
+                          "trained on, so it cannot be checked against this model's weights; retrain it (or "
+                          "`rkv train --init-from` it) to record one", stacklevel=3)
         if self.kv_digest and self.kv_digest != kv_digest(model):
             raise CodecError(f"this codec was trained on {self.backbone or 'another model'}'s weights, and this model's "
                              "K/V projections differ (same shape, other weights: a base model, a fine-tune); load the "

@@ -364,6 +364,18 @@ def test_codec_refuses_a_model_with_another_config(tmp_path):
         ResidualKVCache.from_model(tiny_model(rope_theta=5e5), ResidualCodec.load(path), CACHE_CFG)
 
 
+def test_a_trained_codec_without_a_weight_digest_says_it_cannot_be_checked(tmp_path, recwarn):
+    """Codecs trained before the K/V digest was recorded attach unchecked, and say so; an untrained
+    codec (no `training` record) has nothing to check and stays quiet."""
+    model = tiny_model()
+    ResidualKVCache.from_model(model, tiny_codec(model), CACHE_CFG)
+    assert not [w for w in recwarn if "digest" in str(w.message)]
+    old = tiny_codec(model)
+    old.extra = {"training": {"steps": 3}}
+    with pytest.warns(UserWarning, match="records no digest of the K/V weights .* retrain it"):
+        ResidualKVCache.from_model(model, ResidualCodec.load(old.save(tmp_path / "old")), CACHE_CFG)
+
+
 # ---------------------------------------------------------------------------------------------
 # A run killed with SIGKILL resumes from its last checkpoint, reads the same data, and finishes.
 
