@@ -84,6 +84,18 @@ def context_ids(tokenizer, n_tokens: int, batch: int = 1) -> torch.Tensor:
     return ids.reshape(batch, n_tokens)
 
 
+def prefill_then_decode(model, ids: torch.Tensor, cache, steps: int) -> float:
+    """Prefill `ids` into `cache`, then decode `steps` greedy tokens; returns the prefill's seconds. The
+    prefill attends densely in every mode: CR of a sparse mode is what the decode steps read."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        prefill_s = time.perf_counter() - t0
+        for _ in range(steps):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+    return prefill_s
+
+
 # ---- subcommands ----
 
 def method_name(name: str) -> str:
@@ -110,13 +122,7 @@ def cmd_accounting(args) -> int:
     cache = build_method_cache(args.method, model, codec, cfg)
     ids = context_ids(tok, args.context_len, args.batch)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        prefill_s = time.perf_counter() - t0
-        # prefill is dense in every mode: CR of a sparse mode shows only once tokens are decoded
-        for _ in range(args.decode_steps):
-            nxt = logits[:, -1:].argmax(-1)
-            logits = model(input_ids=nxt, cache=cache, use_cache=True).logits
+    prefill_s = prefill_then_decode(model, ids, cache, args.decode_steps)
     rep = accounting.report(cache)
     rep.update({"backbone": args.backbone, "method": args.method, "context_len": args.context_len,
                 "decode_steps": args.decode_steps, "batch": args.batch, "codec": codec_note,

@@ -50,9 +50,7 @@ def measure_kr_cr(backbone_ref: str, codec_dir: str | None, config: dict[str, An
                "code": code_hash("tasks.measure", "tasks.common")}
 
     def compute(folder: Path) -> dict[str, Any]:
-        import torch
-
-        from residualkv.cli import context_ids
+        from residualkv.cli import context_ids, prefill_then_decode
         from residualkv.evaluation import build_method_cache, measure
 
         base = cache_defaults(spec)
@@ -63,11 +61,7 @@ def measure_kr_cr(backbone_ref: str, codec_dir: str | None, config: dict[str, An
             ids = context_ids(tokenizer, int(L))
             for m in config["methods"]:
                 cache = build_method_cache(m, model, codec, base)
-                with torch.no_grad():
-                    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-                    # the prefill attends densely in every mode: CR is what the decode steps read
-                    for _ in range(KR_CR_DECODE_STEPS):
-                        logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+                prefill_then_decode(model, ids, cache, KR_CR_DECODE_STEPS)
                 rep = measure(cache)
                 rows.append({"method": m, "context_len": int(L), "decode_steps": KR_CR_DECODE_STEPS,
                              "kr_measured": rep["kr_measured"],
