@@ -38,6 +38,10 @@ NOT_NAN = ("score", "rel_score", "kr_measured", "cr", "ppl", "ppl_rel", "answer_
 RESIDUAL_PREFIX = "residualkv"
 
 
+def _finite() -> pa.Check:
+    return pa.Check(lambda s: s.map(math.isfinite), name="finite")
+
+
 class TableValidationError(ValueError):
     """A table failed its schema; str() is a readable report."""
 
@@ -111,18 +115,18 @@ def benchmark_schema(methods: Sequence[str], task_columns: Iterable[str] = (), f
     columns: dict[str, pa.Column] = {
         "method": pa.Column(str, pa.Check.isin(requested, error="method not requested")),
         "score": pa.Column(float, pa.Check.in_range(0.0, 1.0), coerce=True, nullable=True),
-        "rel_score": pa.Column(float, [pa.Check.ge(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
+        "rel_score": pa.Column(float, [pa.Check.ge(0.0), _finite()],
                                coerce=True, nullable=not rel_score_required),
         "kr_measured": pa.Column(float, pa.Check.in_range(0.0, KR_UPPER, include_min=False), coerce=True),
         "cr": pa.Column(float, pa.Check.in_range(0.0, 1.0), coerce=True),
-        "ppl": pa.Column(float, [pa.Check.gt(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
+        "ppl": pa.Column(float, [pa.Check.gt(0.0), _finite()],
                          coerce=True, required=False, nullable=True),
         # ppl_rel guards promotion (and is the score of profiles that rank by perplexity)
-        "ppl_rel": pa.Column(float, [pa.Check.gt(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
+        "ppl_rel": pa.Column(float, [pa.Check.gt(0.0), _finite()],
                              coerce=True, required=False, nullable=True),
-        "answer_nll": pa.Column(float, [pa.Check.ge(0.0), pa.Check(lambda s: s.map(math.isfinite), name="finite")],
+        "answer_nll": pa.Column(float, [pa.Check.ge(0.0), _finite()],
                                 coerce=True, required=False, nullable=True),
-        "answer_nll_delta": pa.Column(float, pa.Check(lambda s: s.map(math.isfinite), name="finite"), coerce=True,
+        "answer_nll_delta": pa.Column(float, _finite(), coerce=True,
                                       required=False, nullable=True),
         "context_len": pa.Column(int, pa.Check.ge(0), coerce=True),
     }

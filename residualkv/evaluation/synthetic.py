@@ -223,9 +223,10 @@ class _Builder:
             body = parts["body"] if not padding else padding + "\n" + parts["body"]
             return self._sample(parts, parts["header"] + "\n" + body + "\n")
 
-        if self.length(render(min_items, 0)) > self.target:
+        shortest = self.length(render(min_items, 0))
+        if shortest > self.target:
             raise LengthError(f"{self.task.name}: {min_items} item(s) already exceed context_len={self.target} "
-                              f"({self.length(render(min_items, 0))} tokens); use a longer --context-len, or "
+                              f"({shortest} tokens); use a longer --context-len, or "
                               f"leave {self.task.name} out with --synthetic-tasks")
         lo, hi = min_items, min_items * 2
         while self.length(render(hi, 0)) <= self.target:
