@@ -71,6 +71,8 @@ class Handoff:
     kind: str  # "score" | "sparse" | "snap" | "kivi" | "latent" | "attend" | "observe"
     key: torch.Tensor  # the K tensor cache.update returned: the attention call must receive this object
     slots: torch.Tensor | None  # "sparse": [B, L] mask column of each returned K column, -1 = padding
+    # "sparse": whether `slots` may hold -1 (False: the host knows it does not, so nothing asks the device)
+    padded: bool = True
     consumed: bool = False
     layer: KiviLayer | None = None  # "kivi": the full-attention layer whose packed stores the kernel reads
     rows: RowLayout | None = None  # "kivi": its row groups (one store per group)
@@ -164,7 +166,8 @@ def select_tokens(scores: torch.Tensor, n_sink: int, n_recent: int, budget: int)
     r, n = scores.shape
     ords = torch.arange(n, device=scores.device)
     forced = (ords < n_sink) | (ords >= n - n_recent)
-    k = min(n, int(forced.sum()) + max(budget, 0))
+    # |forced| counted on the host: the two ranges cover min(n, n_sink + n_recent) ordinals
+    k = min(n, min(n, max(n_sink, 0) + max(n_recent, 0)) + max(budget, 0))
     if k == n:
         return ords.expand(r, n).clone()
     s = scores.float().nan_to_num(float("-inf")).masked_fill(forced, float("inf"))
@@ -211,8 +214,12 @@ class SparseController:
         layer, rows = self.cache.layers[layer_idx], self.cache.rows
         if self.cfg.mode == "omnikv":
             if self.decode and layer_idx not in self.filters and self.selection is not None:
+                # padding columns: where row groups read different lengths, or a reuse buffer holds tokens
+                # the step did not choose
+                padded = len(rows.groups) > 1 or (self.cfg.select_reuse and layer.can_reuse)
                 return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, self.selection,
-                                                                     latent=latent, reuse=self.cfg.select_reuse))
+                                                                     latent=latent, reuse=self.cfg.select_reuse),
+                                    padded)
             out = layer.update(key_states, value_states, rows, latent=latent)
             if self.decode and layer_idx in self.choosers:
                 self._hand(layer_idx, "score", out[0], None)
@@ -220,15 +227,16 @@ class SparseController:
         # snapkv
         if isinstance(layer, ResidualLayer) and layer_idx in self.evicted:
             select = [store.visible_ordinals() for store in layer.stores]
-            return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, select, latent=latent))
+            return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, select, latent=latent),
+                                len(rows.groups) > 1)
         out = layer.update(key_states, value_states, rows, latent=latent)
         if self.prompt and isinstance(layer, ResidualLayer):
             self._hand(layer_idx, "snap", out[0], None)
         return out
 
-    def _sparse(self, layer_idx: int, read: tuple) -> tuple:
+    def _sparse(self, layer_idx: int, read: tuple, padded: bool) -> tuple:
         *out, slots = read
-        self._hand(layer_idx, "sparse", out[0], slots)
+        hand_off(self, Handoff(self, layer_idx, "sparse", out[0], slots, padded=padded))
         return tuple(out)
 
     # -- called by the attention function --
@@ -448,7 +456,7 @@ def _attend_handed(module, query, key, value, attention_mask, h: Handoff, kwargs
     if h.kind == "attend":
         _plain_softmax_only(kwargs, "LowRAM-SR's decode attention", "build the cache without selective")
         return h.attend(query, kwargs.get("scaling")), None
-    mask = gather_mask(attention_mask, h.slots, query) if h.kind == "sparse" else attention_mask
+    mask = gather_mask(attention_mask, h.slots, query, h.padded) if h.kind == "sparse" else attention_mask
     if h.latent is not None:
         _plain_softmax_only(kwargs, "the latent-value decode attention", "set cache.latent = None for this model")
         return latent_value_attention(query, key, value, mask, *h.latent, kwargs.get("scaling")), None
@@ -467,16 +475,20 @@ def _attend_handed(module, query, key, value, attention_mask, h: Handoff, kwargs
     return out
 
 
-def gather_mask(attention_mask: torch.Tensor | None, slots: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
-    """The model's mask [B, 1, T, kv] restricted to the returned columns `slots` [B, L]; -1 columns masked."""
+def gather_mask(attention_mask: torch.Tensor | None, slots: torch.Tensor, query: torch.Tensor,
+                padded: bool = True) -> torch.Tensor | None:
+    """The model's mask [B, 1, T, kv] restricted to the returned columns `slots` [B, L]; -1 columns masked
+    (`padded` False: there are none, known without asking the device)."""
     valid = slots >= 0
     B, L = slots.shape
     if attention_mask is None:
-        return None if bool(valid.all()) else valid[:, None, None, :]
+        return None if not padded or bool(valid.all()) else valid[:, None, None, :]
     T = attention_mask.shape[-2]
     m = attention_mask.expand(B, -1, -1, -1)
     idx = slots.clamp(min=0)[:, None, None, :].expand(B, m.shape[1], T, L)
     g = m.gather(-1, idx)
+    if not padded:
+        return g
     if g.dtype == torch.bool:
         return g & valid[:, None, None, :]
     return g.masked_fill(~valid[:, None, None, :], torch.finfo(g.dtype).min)

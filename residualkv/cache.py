@@ -149,7 +149,10 @@ class _GroupedLayer(CacheLayerMixin):
         before = self._decoded()
         outs = []
         for grp, store, sel, k_new, v_new in self._groups(key_states, value_states, rows):
-            outs.append((grp, self._write_and_read(store, k_new, v_new, rows.positions[sel, grp.start : s1], latent=latent)))
+            # the same slots in every layer of the step: named for the RoPE table (RopeTable.cos_sin's key)
+            key = ("all", rows, grp.start, s1)
+            outs.append((grp, self._write_and_read(store, k_new, v_new, rows.positions[sel, grp.start : s1], latent=latent,
+                                                   pos_key=key)))
         self.n_slots = s1
         self._count(rows, s0, T, before, None)
         if len(outs) == 1 and outs[0][0].start == 0:
@@ -183,13 +186,14 @@ class _GroupedLayer(CacheLayerMixin):
             pos_all = rows.positions[sel]
             pos = torch.cat([pos_all.gather(1, hist), pos_all[:, first_new:s1]], dim=1)
             read += n_rows * hist.shape[1]
+            key = ("selected", rows, grp.start, s1, ords)  # one selection is read by a run of sparse layers
             if reuse and ords is not None:  # the buffer's columns come in its slot order
                 buf = self.buffers.get(gi) or self.buffers.setdefault(gi, TokenBuffer())
-                ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, buffer=buf)
+                ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, buffer=buf, pos_key=key)
                 cols = buf.columns()
                 hist = torch.where(cols >= 0, grp.start + cols, -1)
             else:
-                ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, latent=latent)
+                ts = self._write_and_read(store, k_new, v_new, pos, ordinals=ords, latent=latent, pos_key=key)
             slots = torch.cat([hist, torch.arange(first_new, s1, device=dev).expand(n_rows, -1)], dim=1)
             parts.append((grp, ts, slots))
         self.n_slots = s1
@@ -293,21 +297,22 @@ class ResidualLayer(_GroupedLayer):
         return (latent and key_states.shape[2] == 1 and self.n_slots > 0 and not torch.is_grad_enabled()
                 and self.codec.absorbable and not kernel_reads(self.cfg, key_states))
 
-    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None, latent=False, buffer=None):
+    def _write_and_read(self, store: ResidualStore, k, v, pos, ordinals=None, latent=False, buffer=None, pos_key=None):
         """`pos` holds the RoPE positions of the returned tokens: the history read (all of it, or the
         tokens at `ordinals` [B, S]) followed by the new tokens. Returns K, V (and Z with `latent`).
         With a reuse `buffer` the history comes back in the buffer's slots (TokenBuffer.columns)."""
         B, H, T, D = k.shape
-        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        cos, sin = self.rope.cos_sin(pos, torch.float32, pos_key)
         # the history comes back with its keys rotated (inside the fused reconstruction on the kernel)
         hist_rope = (cos[:, :-T], sin[:, :-T], H)
         if ordinals is None:
             history = store.read(hist_rope, latent) if store.n else None
         elif buffer is not None:
             history = buffer.read(ordinals, store.n_coded, store.n,
-                                  lambda new: store.read_selected(new, _rope_at(hist_rope, ordinals, new)), k.dtype)
-        else:
-            history = store.read_selected(ordinals, hist_rope, latent)
+                                  lambda new: store.read_selected(new, _rope_at(hist_rope, ordinals, new), check=False),
+                                  k.dtype)
+        else:  # the cache's own selection: valid by construction, so unchecked (no host-device syncs)
+            history = store.read_selected(ordinals, hist_rope, latent, check=False)
         k_pre = invert_rope(k.float(), cos[:, -T:], sin[:, -T:])
         kv = torch.cat([flat_heads(k_pre), flat_heads(v.float())], dim=-1)
         new = store.write(kv)
@@ -338,7 +343,7 @@ class KiviLayer(_GroupedLayer):
     def _new_store(self) -> KiviStore:
         return KiviStore(self.cfg)
 
-    def _write_and_read(self, store: KiviStore, k, v, pos, ordinals=None, latent=False):
+    def _write_and_read(self, store: KiviStore, k, v, pos, ordinals=None, latent=False, pos_key=None):
         if ordinals is not None:
             raise ValueError("full-attention (KIVI) layers always read their whole history")
         store.write(k, v)
@@ -480,6 +485,8 @@ class ResidualKVCache(Cache):
 
     def reset(self):
         super().reset()
+        if self.rope is not None:  # a step cut short leaves its answer kept
+            self.rope.forget()
         self.rows = RowLayout(ReferenceSchedule(self.config.n_sink, self.config.stride, self.config.stride_alpha))
         for layer in self.layers:
             if isinstance(layer, ResidualLayer):
@@ -575,7 +582,7 @@ class DenseLayer(_GroupedLayer):
     def _new_store(self) -> DenseStore:
         return DenseStore()
 
-    def _write_and_read(self, store: DenseStore, k, v, pos, ordinals=None, latent=False):
+    def _write_and_read(self, store: DenseStore, k, v, pos, ordinals=None, latent=False, pos_key=None):
         had = store.n
         store.write(k, v)
         if ordinals is None:

@@ -41,18 +41,18 @@ def mean_of_refs(refs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """refs [B, R, d] (decoded), idx [B, T, k] with -1 padding -> mean [B, T, d] over the valid entries.
 
     embedding_bag sums the k rows without materialising the [B, T, k, d] gather (~10x faster on CPU;
-    same order of additions, so the same bits), and it is differentiable in `refs` for training.
+    same order of additions, so the same bits), and it is differentiable in `refs` for training. Padding
+    entries read row 0 with weight 0 (adding +0 changes no sum) rather than being found and masked out:
+    asking whether any entry is padding would be a host-device sync on a GPU.
     """
     B, R, d = refs.shape
     T, k = idx.shape[1], idx.shape[2]
     valid = idx >= 0
-    flat = (idx + (torch.arange(B, device=idx.device) * R)[:, None, None]).reshape(B * T, k)
-    if bool(valid.all()):  # the usual case: no padding, so no zero row to append to a copy of the table
-        total = F.embedding_bag(flat, refs.reshape(B * R, d), mode="sum")
-    else:
-        pad = B * R  # an all-zero row that -1 entries point at
-        table = torch.cat([refs.reshape(B * R, d), refs.new_zeros(1, d)])
-        total = F.embedding_bag(flat.masked_fill(~valid.reshape(B * T, k), pad), table, mode="sum", padding_idx=pad)
+    if R == 0:  # no reference yet: every entry is padding
+        return refs.new_zeros(B, T, d)
+    flat = (idx.clamp(min=0) + (torch.arange(B, device=idx.device) * R)[:, None, None]).reshape(B * T, k)
+    total = F.embedding_bag(flat, refs.reshape(B * R, d), mode="sum",
+                            per_sample_weights=valid.reshape(B * T, k).to(refs.dtype))
     # in place: a fresh [B, T, d] result costs more than the division on CPU (embedding_bag's backward
     # does not keep its output, so training is unaffected)
     return total.reshape(B, T, d).div_(valid.sum(-1, keepdim=True).clamp(min=1).to(refs.dtype))

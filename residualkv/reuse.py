@@ -87,7 +87,7 @@ class TokenBuffer:
             self.k, self.v = (t.to(keep).contiguous() for t in rebuild(wanted))
             self.ids, self.visible = wanted.clone().long(), torch.ones_like(wanted, dtype=torch.bool)
         else:
-            self.ids[self.ids >= self.coded] = -1  # window reads: coded since, or read again anyway
+            self.ids.masked_fill_(self.ids >= self.coded, -1)  # window reads: coded since, or read again anyway
             if S > self.ids.shape[1]:  # a ratio budget grows with the history: empty slots at the end
                 grow = S - self.ids.shape[1]
                 self.ids = torch.cat([self.ids, self.ids.new_full((B, grow), -1)], dim=1)

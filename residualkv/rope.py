@@ -39,6 +39,11 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.to(x.dtype)
 
 
+def _same_key(a: tuple | None, b: tuple) -> bool:
+    return a is not None and len(a) == len(b) and all(
+        x is y or (type(x) in (int, str) and type(y) is type(x) and x == y) for x, y in zip(a, b))
+
+
 class RopeTable:
     """The model's rotary embedding as a function of integer positions."""
 
@@ -46,8 +51,8 @@ class RopeTable:
         self.rotary = rotary
         # every compressed layer of a decode step asks for the same positions (the whole history, or one
         # selection shared by a run of sparse layers): the last answer is kept and handed out again when
-        # the positions are equal, instead of rebuilding cos/sin over the history in every layer
-        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the positions are the same, instead of rebuilding cos/sin over the history in every layer
+        self._last: tuple[tuple | None, torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "RopeTable":
@@ -67,17 +72,23 @@ class RopeTable:
         return cls(LlamaRotaryEmbedding(config))
 
     @torch.no_grad()
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [B, T] integer -> cos, sin [B, T, D] in `dtype`. Callers must not write into them."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [B, T] integer -> cos, sin [B, T, D] in `dtype`. Callers must not write into them.
+        `key`: a tuple naming these positions by objects that determine them (ints and strings compare
+        by value, anything else by identity: a row layout, a selection tensor; kept with the answer, so
+        no other object takes their identity meanwhile). The cache's layers name the slots they read,
+        and the kept answer is recognised by its key, without comparing positions (a host-device sync on
+        a GPU). Without a key, positions are compared."""
         positions = positions.long()
         last = self._last
-        if (last is not None and last[1] == dtype and last[0].shape == positions.shape
-                and last[0].device == positions.device and torch.equal(last[0], positions)):
-            return last[2]
+        if (last is not None and last[2] == dtype and last[1].shape == positions.shape
+                and last[1].device == positions.device
+                and (_same_key(last[0], key) if key is not None else torch.equal(last[1], positions))):
+            return last[3]
         probe = torch.empty(0, dtype=dtype, device=positions.device)
         self.rotary.to(positions.device)
         out = self.rotary(probe, positions)
-        self._last = (positions.clone(), dtype, out)  # a copy: the caller's tensor may change later
+        self._last = (key, positions.clone(), dtype, out)  # a copy: the caller's tensor may change later
         return out
 
     def forget(self) -> None:

@@ -25,6 +25,8 @@ class ReferenceSchedule:
         # Both start empty, so a cache that never asks holds none of it (see bookkeeping_bytes).
         self._tensor = torch.empty(0, dtype=torch.long)
         self._next = 0  # next reference ordinal
+        # per device: the layout over the first `covered` ordinals (see `layout`), computed ahead
+        self._layouts: dict[torch.device, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _extend(self, n: int) -> None:
         new = []
@@ -48,9 +50,34 @@ class ReferenceSchedule:
         mask[self._tensor[lo:hi] - start] = True
         return mask
 
+    def layout(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(is_ref [n] bool, reference ordinals [R] long, code ordinals [n - R] long) over ordinals
+        [0, n), as views of tensors kept on `device`. Every compressed layer reads this at every decode
+        step: kept on the device and computed ahead (an eighth more, at least 256 ordinals), a step costs
+        no host work over the history and no host-to-device copy, and reads index with it instead of
+        boolean masks (each of which is a host-device sync on a GPU)."""
+        device = torch.device(device)
+        kept = self._layouts.get(device)
+        if kept is None or kept[0] < n:
+            covered = max(n, (kept[0] if kept else 0) * 9 // 8 + 256)
+            is_ref = self.is_ref(0, covered)
+            ords = torch.arange(covered)
+            self._layouts[device] = kept = (covered, is_ref.to(device), ords[is_ref].to(device),
+                                            ords[~is_ref].to(device))
+        n_refs = bisect_left(self._positions, n)
+        return kept[1][:n], kept[2][:n_refs], kept[3][: n - n_refs]
+
+    def split(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions of the references, positions of the codes) among ordinals [start, end), counted
+        from `start`, on `device` (a write's chunk, indexed without a boolean mask)."""
+        _, refs, codes = self.layout(end, device)
+        r0 = bisect_left(self._positions, start)
+        return refs[r0:] - start, codes[start - r0 :] - start
+
     def nbytes(self) -> int:
-        """The ordinals held as a tensor: bookkeeping the config determines, not stored data."""
-        return self._tensor.numel() * self._tensor.element_size()
+        """The ordinals held as tensors: bookkeeping the config determines, not stored data."""
+        return sum(t.numel() * t.element_size() for t in (self._tensor, *(t for kept in self._layouts.values()
+                                                                            for t in kept[1:])))
 
     def count_in(self, start: int, end: int) -> int:
         """How many references among ordinals [start, end), without building a mask."""

@@ -34,20 +34,21 @@ from kernels._common import use_triton
 Rope = tuple  # (cos [B, n, D], sin [B, n, D], number of KV heads H): RoPE at the positions of the tokens read
 
 
-def _rotate_rest(kv: torch.Tensor, rope: Rope, rotated: torch.Tensor | None):
-    """Flat kv [B, n, 2·d_k] -> K, V [B, H, n, D], applying RoPE to the keys of the tokens not yet
-    rotated (`rotated` [B, n] bool marks those the fused kernel already rotated; None = none)."""
+def _rotate_rest(kv: torch.Tensor, rope: Rope, todo: torch.Tensor | None):
+    """Flat kv [B, n, 2·d_k] -> K, V [B, H, n, D], applying RoPE to the keys not yet rotated: all of them
+    (`todo` None), or those at `todo`, flat indices into the B·n tokens (the rest the fused kernel
+    rotated). Indices, not a mask: a boolean mask is a host-device sync on a GPU."""
     cos, sin, H = rope
     k, v = unflat_heads(kv, H, kv.shape[-1] // (2 * H))
-    if rotated is None:
+    if todo is None:
         # rotating a head-major copy is ~4x faster than rotating the strided view of the flat rows (CPU,
         # thousands of keys), copy included; the same products, so the same bits
         return apply_rope(k.contiguous(), cos, sin), v
-    k = k.clone()
-    todo = ~rotated
-    rows = k.transpose(1, 2)[todo]  # [N, H, D]: the keys still pre-RoPE, each as a one-token sequence
-    k.transpose(1, 2)[todo] = apply_rope(rows[:, :, None], cos[todo][:, None], sin[todo][:, None])[:, :, 0]
-    return k, v
+    B, _, n, D = k.shape
+    rows = k.transpose(1, 2).contiguous().view(B * n, H, D)  # a copy: kv holds the values beside the keys
+    at = lambda t: t.reshape(B * n, -1).index_select(0, todo)[:, None]  # noqa: E731
+    rows.index_copy_(0, todo, apply_rope(rows.index_select(0, todo)[:, :, None], at(cos), at(sin))[:, :, 0])
+    return rows.view(B, n, H, D).transpose(1, 2), v
 
 
 def kernel_reads(cfg: ResidualKVConfig, like: torch.Tensor) -> bool:
@@ -88,31 +89,26 @@ class Latents(NamedTuple):
         return out.scatter_add_(1, self.cols[..., None].expand(B, C, d), self.z)[:, None]  # padding adds 0
 
 
-def _with_latent(kv, rope: Rope | None, rotated, latent: Latents | None):
-    """A read's return: flat kv, or K, V with `rope`; with `latent` also its Latents."""
+def _with_latent(kv, rope: Rope | None, todo: torch.Tensor | None, latent: Latents | None):
+    """A read's return: flat kv, or K, V with `rope` (rotating the keys at `todo`, see _rotate_rest);
+    with `latent` also its Latents."""
     if rope is None:
         if latent is not None:
             raise ValueError("a latent read returns K, V and Z for attention: pass the tokens' RoPE")
         return kv
-    k, v = _rotate_rest(kv, rope, rotated)
+    k, v = _rotate_rest(kv, rope, todo)
     return (k, v) if latent is None else (k, v, latent)
 
 
-def _ragged(is_code: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A selection's codes laid out per row, in order: for each True of is_code [B, S] (row-major), its
-    place within its row [N], and the most codes any row holds (the padded width)."""
-    return (torch.cumsum(is_code, dim=1) - 1)[is_code], int(is_code.sum(1).max())
-
-
-def _selected_latents(is_code: torch.Tensor, rows: torch.Tensor, z: torch.Tensor) -> Latents:
-    """Latents of a selection whose codes sit at is_code [B, S] (rows [N] and z [N, d_c] in row-major
-    order of them)."""
-    B, S = is_code.shape
-    cols = torch.arange(S, device=is_code.device).expand(B, S)[is_code]
-    counts = is_code.sum(1)
-    if bool((counts == counts[0]).all()):  # as many codes in every row (always with one row): no padding
-        return Latents(cols.view(B, -1), z.view(B, -1, z.shape[-1]))
-    rank, C = _ragged(is_code)
+def _selected_latents(B: int, S: int, code_at: torch.Tensor, z: torch.Tensor) -> Latents:
+    """Latents of a selection [B, S] whose codes sit at the flat positions code_at [N] (row-major), with
+    their latents z [N, d_c]."""
+    rows, cols = code_at // S, code_at % S
+    if B == 1:  # one row: no padding to lay out (and nothing for the host to wait for)
+        return Latents(cols[None], z[None])
+    counts = torch.bincount(rows, minlength=B)
+    C = int(counts.max())
+    rank = torch.arange(code_at.numel(), device=code_at.device) - (torch.cumsum(counts, 0) - counts)[rows]
     out = Latents(cols.new_zeros(B, C), z.new_zeros(B, C, z.shape[-1]))
     out.cols[rows, rank], out.z[rows, rank] = cols, z
     return out
@@ -167,6 +163,7 @@ class ResidualStore:
         self.idx_bits = 0
         self.evicted_refs = 0
         self.evicted_codes = 0
+        self.hidden_refs = 0  # references kept after an eviction only because codes need them
         # instrumentation (what reads really reconstructed): latent codes decoded, references read
         self.codes_decoded = 0
         self.refs_decoded = 0
@@ -234,25 +231,23 @@ class ResidualStore:
             if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
                 self._code_ord.append(torch.arange(s0, s0 + T, dtype=self.code_ord.dtype, device=self.code_ord.device))
         else:
-            is_ref = self.schedule.is_ref(s0, s0 + T).to(kv.device)
+            # the chunk's references and codes by position (the schedule is known on the host: no masks)
+            ref_at, code_at = self.schedule.split(s0, s0 + T, kv.device)
             out = kv.new_empty(B, T, d)
-            new_refs = kv[:, is_ref]
+            new_refs = kv.index_select(1, ref_at)
             stored = encode_ref(new_refs.detach(), cfg.ref_format)
             refs_hat = new_refs + (decode_ref(stored, cfg.ref_format) - new_refs).detach()
-            out[:, is_ref] = refs_hat
+            out.index_copy_(1, ref_at, refs_hat)
             r_old = self.n_refs
             self._refs.append(stored)
-            is_code = ~is_ref
-            if bool(is_code.any()):
+            if code_at.numel():
                 # references strictly before each token: the old ones plus those earlier in this chunk
-                n_avail = r_old + torch.cumsum(is_ref.long(), 0)[is_code]
-                out[:, is_code] = self._code_tokens(kv[:, is_code], n_avail, refs_hat)
+                n_avail = r_old + torch.searchsorted(ref_at, code_at)
+                out.index_copy_(1, code_at, self._code_tokens(kv.index_select(1, code_at), n_avail, refs_hat))
             if self.ref_ord is not None:  # evicted layout: list the new tokens' ordinals
-                new_ord = torch.arange(s0, s0 + T, dtype=self.ref_ord.dtype, device=self.ref_ord.device)
-                m = is_ref.to(new_ord.device)
-                self._ref_ord.append(new_ord[m])
-                self._ref_visible.append(m.new_ones(int(m.sum())))
-                self._code_ord.append(new_ord[~m])
+                self._ref_ord.append((s0 + ref_at).to(self.ref_ord.dtype))
+                self._ref_visible.append(torch.ones(ref_at.numel(), dtype=torch.bool, device=ref_at.device))
+                self._code_ord.append((s0 + code_at).to(self.code_ord.dtype))
         if self.keep_grad:
             self.grad_history = _cat(self.grad_history, out)
         self.n_coded += T
@@ -273,7 +268,7 @@ class ResidualStore:
         bits = index_bits(self.n_refs)
         if bits > self.idx_bits:
             if self.ref_idx is not None:
-                self.ref_idx = pack_indices(self.indices.unpack(), bits).data
+                self.ref_idx = pack_indices(self.indices.unpack(), bits, check=False).data  # stored: in range
             self.idx_bits = bits
         self._ref_idx.append(pack_indices(idx, bits, check=False).data)  # topk named one of the n_refs
         return self.codec.decode(z_hat).float() + mean
@@ -307,10 +302,11 @@ class ResidualStore:
         B, T, k = idx.shape
         valid = idx >= 0
         rows = torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)
-        if not refs_hat.shape[1] and bool(valid.all()):  # a decode step: decode its B·T·k rows directly
-            table = decode_ref(take_rows(self.refs, rows.reshape(-1), idx.reshape(-1)), self.cfg.ref_format)
+        if not refs_hat.shape[1]:  # a decode step: decode its B·T·k rows directly
+            # (-1 entries, before k references exist, read reference 0 and are left out of the mean)
+            table = decode_ref(take_rows(self.refs, rows.reshape(-1), idx.clamp(min=0).reshape(-1)), self.cfg.ref_format)
             slots = torch.arange(B * T * k, device=idx.device).view(1, B * T, k)
-            return mean_of_refs(table[None], slots)[0].view(B, T, -1)
+            return mean_of_refs(table[None], torch.where(valid.view(1, B * T, k), slots, -1))[0].view(B, T, -1)
         table, slot = self._ref_table(rows[valid], idx[valid], refs_hat)
         local = torch.full_like(idx, -1)
         local[valid] = slot
@@ -337,31 +333,34 @@ class ResidualStore:
         B, d, dev = like.shape[0], like.shape[-1], like.device
         out = torch.empty(B, self.n, d, device=dev)
         lat = Latents.empty(B, self.codec.dims.d_c, dev) if latent else None
-        coded = torch.arange(self.n, device=dev) < self.n_coded
-        is_ref = self.schedule.is_ref(0, self.n).to(dev) & coded
-        is_code = ~is_ref & coded
+        # tokens go to their columns by index (the schedule's ordinals, kept on the device), not by mask
+        _, ref_ord, code_ord = self.schedule.layout(self.n_coded, dev)
         if self.win is not None:
-            out[:, ~coded] = self.win.float()
-        rotated = None
+            out[:, self.n_coded :] = self.win.float()
+        todo = None  # keys to rotate after the read (None: all of them)
         if self.refs is not None:
             refs = self.decoded_refs()
             self.refs_decoded += refs.shape[0] * refs.shape[1]
-            out[:, is_ref] = refs
+            out.index_copy_(1, ref_ord, refs)
         if self.codes is not None:
             self.codes_decoded += self.codes.codes.shape[0] * self.codes.codes.shape[1]
             if self._use_kernel():
                 C = self.codes.codes.shape[1]
                 sel = torch.arange(C, device=dev)[None].expand(B, C)
-                code_rope = None if rope is None else (rope[0][:, is_code], rope[1][:, is_code], rope[2])
-                out[:, is_code], fused = self._reconstruct_kernel(sel, code_rope)
-                rotated = is_code.expand(B, -1) if fused else None
+                code_rope = None if rope is None else (rope[0].index_select(1, code_ord),
+                                                       rope[1].index_select(1, code_ord), rope[2])
+                kv, fused = self._reconstruct_kernel(sel, code_rope)
+                out.index_copy_(1, code_ord, kv)
+                if fused:  # the keys left to rotate: references and window, in every row
+                    rest = torch.cat([ref_ord, torch.arange(self.n_coded, self.n, device=dev)])
+                    todo = (torch.arange(B, device=dev)[:, None] * self.n + rest).reshape(-1)
             else:
                 mean = mean_of_refs(refs, self.indices.unpack())
                 z = dequantize(self.codes, cfg.bits, cfg.group_size)
-                out[:, is_code] = self._decode(z, mean, latent)
+                out.index_copy_(1, code_ord, self._decode(z, mean, latent))
                 if latent:
-                    lat = Latents(is_code.nonzero()[:, 0].expand(B, -1), z)
-        return _with_latent(out, rope, rotated, lat)
+                    lat = Latents(code_ord.expand(B, -1), z)
+        return _with_latent(out, rope, todo, lat)
 
     def _decode(self, z: torch.Tensor, mean: torch.Tensor, latent: bool) -> torch.Tensor:
         """Codes' reconstruction from their latents and reference means (torch path); `latent`: the
@@ -406,14 +405,14 @@ class ResidualStore:
 
     def _schedule_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(is_ref [n] bool, reference ordinals [R] long) of the schedule over this store's coded ordinals."""
-        # not kept between calls: the next step has one more coded ordinal, so a kept copy was never reused
-        n = self.n_coded
-        return self.schedule.is_ref(0, n).to(device), self.schedule.ref_ordinals(n).to(device)
+        return self.schedule.layout(self.n_coded, device)[:2]
 
-    def _locate(self, ordinals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coded ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes)."""
+    def _locate(self, ordinals: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coded ordinals [B, S] -> (is_ref [B, S], index into refs where is_ref else into codes).
+        `check=False` skips the range and eviction checks (host-device syncs on a GPU) where the ordinals
+        are valid by construction (a selection the cache made)."""
         is_ref_of, sched_refs = self._schedule_layout(ordinals.device)
-        if bool(((ordinals < 0) | (ordinals >= self.n_coded)).any()):
+        if check and bool(((ordinals < 0) | (ordinals >= self.n_coded)).any()):
             raise IndexError(f"coded ordinals must lie in [0, {self.n_coded})")
         is_ref = is_ref_of[ordinals]
         if self.ref_ord is None:
@@ -423,18 +422,22 @@ class ResidualStore:
             ref_ord, code_ord = self.ref_ord.long(), self.code_ord.long()
             ridx = torch.searchsorted(ref_ord, ordinals).clamp(max=max(len(ref_ord) - 1, 0))
             cidx = torch.searchsorted(code_ord, ordinals).clamp(max=max(len(code_ord) - 1, 0))
-            found = torch.where(is_ref, ref_ord[ridx] if len(ref_ord) else ordinals + 1,
-                                code_ord[cidx] if len(code_ord) else ordinals + 1) == ordinals
-            if not bool(found.all()):
-                raise IndexError("asked for a token that SnapKV evicted: eviction is irreversible")
+            if check:
+                found = torch.where(is_ref, ref_ord[ridx] if len(ref_ord) else ordinals + 1,
+                                    code_ord[cidx] if len(code_ord) else ordinals + 1) == ordinals
+                if not bool(found.all()):
+                    raise IndexError("asked for a token that SnapKV evicted: eviction is irreversible")
         return is_ref, torch.where(is_ref, ridx, cidx)
 
-    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None, latent: bool = False):
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None, latent: bool = False,
+                      check: bool = True):
         """Reconstruct only the tokens at `ordinals` [B, S] (each row its own ordinals): selected
         references are read as references; selected codes are dequantised and decoded, and only the
         references their means need are read (each needed reference once). Returns [B, S, 2·d_k]
         float32, equal to the same columns of `read()`; with `rope` (cos, sin [B, S, D], H), K, V
-        [B, H, S, D] with the keys rotated, as `read` does (and Z with `latent`, as `read` does)."""
+        [B, H, S, D] with the keys rotated, as `read` does (and Z with `latent`, as `read` does).
+        `check=False`: the ordinals are valid by construction (the cache's own selections), so the range
+        and eviction checks, each a host-device sync on a GPU, are skipped."""
         cfg = self.cfg
         B, S = ordinals.shape
         like = self._held()
@@ -444,63 +447,72 @@ class ResidualStore:
             out = torch.zeros(B, S, self.codec.dims.d_kv, device=dev)
             return _with_latent(out, rope, None, lat)
         ordinals = ordinals.to(device=dev, dtype=torch.long)
-        rows = torch.arange(B, device=dev)[:, None].expand(B, S)
-        in_win = ordinals >= self.n_coded
-        if bool((ordinals >= self.n).any()):
+        if check and bool((ordinals >= self.n).any()):
             raise IndexError(f"ordinals must lie in [0, {self.n})")
-        if not bool(in_win.any()):  # the usual case (no recent window): no masked copies of the selection
-            is_ref, pos = self._locate(ordinals)
+        if not self.n_win:  # the usual case (no recent window): every selected token is coded
+            is_ref, pos = self._locate(ordinals, check)
+            in_win = None
         else:
-            is_ref = torch.zeros_like(in_win)
-            pos = torch.zeros_like(ordinals)
-            if not bool(in_win.all()):
-                is_ref[~in_win], pos[~in_win] = (t[0] for t in self._locate(ordinals[~in_win][None]))
-        is_code = ~is_ref & ~in_win
+            in_win = ordinals >= self.n_coded
+            if self.n_coded:
+                is_ref, pos = self._locate(ordinals.clamp(max=self.n_coded - 1), check=False)
+                if check and not bool(in_win.all()):
+                    self._locate(ordinals[~in_win][None])  # the checks, on the coded ordinals only
+                is_ref = is_ref & ~in_win
+            else:
+                is_ref, pos = torch.zeros_like(in_win), torch.zeros_like(ordinals)
+        is_code = ~is_ref if in_win is None else ~is_ref & ~in_win
+        # positions as flat indices into the B·S selected tokens, for index_select/index_copy_ (each
+        # boolean-mask index or assignment would be a host-device sync of its own on a GPU): one count
+        # for the host, then a stable sort puts references first, window tokens next, codes last
+        n_ref, n_code = torch.stack([is_ref.sum(), is_code.sum()]).tolist()
+        order = torch.argsort(is_code.reshape(-1).to(torch.int8) - is_ref.reshape(-1).to(torch.int8), stable=True)
+        ref_at, win_at, code_at = order[:n_ref], order[n_ref : B * S - n_code], order[B * S - n_code :]
+        flat_pos = pos.reshape(-1)
         out = torch.empty(B, S, like.shape[-1], device=dev)
-        if self.win is not None:
-            out[in_win] = self.win[rows[in_win], ordinals[in_win] - self.n_coded].float()
-        rb, rp = rows[is_ref], pos[is_ref]
-        cb, cp = rows[is_code], pos[is_code]
-        rotated = None
+        flat_out = out.view(B * S, -1)
+        if win_at.numel():
+            w_ord = ordinals.reshape(-1).index_select(0, win_at) - self.n_coded
+            flat_out.index_copy_(0, win_at, take_rows(self.win, win_at // S, w_ord).float())
+        rb, rp = ref_at // S, flat_pos.index_select(0, ref_at)
+        cb, cp = code_at // S, flat_pos.index_select(0, code_at)
+        todo = None
         if rb.numel() or cb.numel():
-            # which references are read: the selected ones and those the selected codes average, each once
+            # which references are read: the selected ones and those the selected codes average, each
+            # once. A code among the first k tokens after the sinks has fewer than k (-1 entries): it names
+            # reference 0 there, which its mean then leaves out (no mask, so no sync, to list the pairs).
             idx = self.indices.rows(cb, cp) if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
-            ok = idx >= 0
-            # every code past the first k references has all k of them: then no mask is needed to list the pairs
-            all_ok = bool(ok.all())
-            code_rows = cb[:, None].expand_as(idx)
-            code_rows, code_refs = (code_rows.reshape(-1), idx.reshape(-1)) if all_ok else (code_rows[ok], idx[ok])
-            table, slot = self._ref_table(torch.cat([rb, code_rows]), torch.cat([rp, code_refs]))
+            code_rows = cb[:, None].expand_as(idx).reshape(-1)
+            table, slot = self._ref_table(torch.cat([rb, code_rows]), torch.cat([rp, idx.clamp(min=0).reshape(-1)]))
             self.refs_decoded += int(table.shape[0])
-            out[is_ref] = table[slot[: rb.numel()]]
+            flat_out.index_copy_(0, ref_at, table.index_select(0, slot[: rb.numel()]))
         if cb.numel() and self._use_kernel():
             # per row, its selected codes in order, padded with -1
-            rank, width = _ragged(is_code)
+            rank = (torch.cumsum(is_code, dim=1) - 1).reshape(-1)[code_at]
+            width = cb.numel() if B == 1 else int(torch.bincount(cb, minlength=B).max())
             sel = torch.full((B, width), -1, dtype=torch.long, device=dev)
             sel[cb, rank] = cp
             code_rope = None
             if rope is not None:  # cos/sin in the same ragged layout as sel (padding rows: zeros)
                 cos = rope[0].new_zeros(B, width, rope[0].shape[-1])
                 sin = torch.zeros_like(cos)
-                cos[cb, rank], sin[cb, rank] = rope[0][is_code], rope[1][is_code]
+                cos[cb, rank] = rope[0].reshape(B * S, -1).index_select(0, code_at)
+                sin[cb, rank] = rope[1].reshape(B * S, -1).index_select(0, code_at)
                 code_rope = (cos, sin, rope[2])
             kv, fused = self._reconstruct_kernel(sel, code_rope)
-            out[is_code] = kv[cb, rank]
-            rotated = is_code if fused else None
+            flat_out.index_copy_(0, code_at, kv[cb, rank])
+            if fused:  # the keys left to rotate: the selected references and window tokens
+                todo = order[: B * S - n_code]
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
-            if all_ok:
-                mean_idx = slot[rb.numel():].view_as(idx)
-            else:
-                mean_idx = torch.full_like(idx, -1)
-                mean_idx[ok] = slot[rb.numel():]
+            mean_idx = torch.where(idx >= 0, slot[rb.numel():].view_as(idx), -1)
             mean = mean_of_refs(table[None], mean_idx[None])[0]
             z = dequantize(Packed(*(take_rows(t, cb, cp) for t in self.codes)), cfg.bits, cfg.group_size)
-            out[is_code] = self._decode(z, mean, latent)
+            flat_out.index_copy_(0, code_at, self._decode(z, mean, latent))
             if latent:
-                lat = _selected_latents(is_code, cb, z)
+                lat = _selected_latents(B, S, code_at, z)
             self.codes_decoded += int(cb.numel())
-        return _with_latent(out, rope, rotated, lat)
+        return _with_latent(out, rope, todo, lat)
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""
@@ -509,8 +521,10 @@ class ResidualStore:
             B = like.shape[0] if like is not None else 1
             return torch.arange(self.n, device=like.device if like is not None else None).expand(B, self.n)
         window = torch.arange(self.n_coded, self.n, device=self.ref_ord.device)
-        vis = torch.cat([self.ref_ord[self.ref_visible].long(), self.code_ord.long()]).sort().values
-        return torch.cat([vis, window])[None]
+        # hidden references sort first as -1 and are sliced off by their count, known on the host (a
+        # boolean mask would be a host-device sync at every step)
+        vis = torch.cat([torch.where(self.ref_visible, self.ref_ord, -1), self.code_ord]).long().sort().values
+        return torch.cat([vis[self.hidden_refs :], window])[None]
 
     def split_rows(self) -> list["ResidualStore"]:
         """One store per batch row (eviction keeps different tokens in different rows)."""
@@ -525,6 +539,7 @@ class ResidualStore:
                 s.ref_idx, s.idx_bits = self.ref_idx[b : b + 1].clone(), self.idx_bits
             for name in ("ref_ord", "code_ord", "ref_visible"):
                 setattr(s, name, getattr(self, name))
+            s.hidden_refs = self.hidden_refs
             out.append(s)
         return out
 
@@ -565,8 +580,8 @@ class ResidualStore:
         self.code_ord = keep[~is_ref].to(torch.int32)
         self.evicted_refs = R - int(kept_refs.sum())
         self.evicted_codes = C - int(code_pos.numel())
-        return {"evicted_refs": self.evicted_refs, "evicted_codes": self.evicted_codes,
-                "hidden_refs": int(kept_refs.sum() - visible.sum())}
+        self.hidden_refs = int(kept_refs.sum() - visible.sum())
+        return {"evicted_refs": self.evicted_refs, "evicted_codes": self.evicted_codes, "hidden_refs": self.hidden_refs}
 
     def nbytes(self) -> dict[str, int]:
         c = self.codes
@@ -605,8 +620,9 @@ class RowStores:
     def read(self, rope: Rope | None = None, latent: bool = False):
         return _stack([s.read(_row_rope(rope, i), latent) for i, s in enumerate(self.stores)])
 
-    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None, latent: bool = False):
-        return _stack([s.read_selected(ordinals[i : i + 1], _row_rope(rope, i), latent)
+    def read_selected(self, ordinals: torch.Tensor, rope: Rope | None = None, latent: bool = False,
+                      check: bool = True):
+        return _stack([s.read_selected(ordinals[i : i + 1], _row_rope(rope, i), latent, check)
                        for i, s in enumerate(self.stores)])
 
     def visible_ordinals(self) -> torch.Tensor:

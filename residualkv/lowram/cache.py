@@ -255,10 +255,10 @@ class LowRAMLayer(_GroupedLayer):
     def _new_store(self) -> LowRAMStore:
         return LowRAMStore()
 
-    def _write_and_read(self, store: LowRAMStore, k, v, pos, ordinals=None, latent=False):
+    def _write_and_read(self, store: LowRAMStore, k, v, pos, ordinals=None, latent=False, pos_key=None):
         if ordinals is not None:
             raise ValueError("LowRAM layers read their whole history (no sparse selection)")
-        cos, sin = self.rope.cos_sin(pos, torch.float32)
+        cos, sin = self.rope.cos_sin(pos, torch.float32, pos_key)
         if store.n == 0:  # the prompt: attended exactly, held until its xKV group compresses it
             store.hold(invert_rope(k.float(), cos, sin), v, k if self.config.selective else None)
             return k, v
