@@ -644,6 +644,26 @@ def test_sparse_mode_without_the_attention_function_fails_loudly(codec):
         _generate(plain, _ids(30), cache, n=3)
 
 
+# host syncs a decode step may force on a GPU, per step of the tiny model (2 compressed layers, both sparse
+# in the sparse modes): per sparse read, the count of its references and codes and the list of references
+# to decode (2); the reuse buffer also sizes its rebuild, and its columns may be padding (2 more); the
+# schedule's device layout, recomputed ahead every eighth of the history (< 0.25)
+HOST_SYNC_BOUNDS = {"standalone": 0.25, "standalone-window": 0.25, "omnikv": 4.25, "omnikv-reuse": 8.25,
+                    "snapkv": 4.25, "omnikv-fp16": 0.0}
+
+
+@pytest.mark.parametrize("method", sorted(HOST_SYNC_BOUNDS))
+def test_decode_steps_ask_the_device_few_questions(method):
+    """Counted on the CPU with benchmarks/host_syncs.py: the operations that would stall a GPU (a tensor
+    made a Python bool or int, nonzero, boolean-mask indexing, torch.equal, tolist). A step used to force
+    15 (standalone) to 41 (SnapKV) of them on this model; this keeps them from growing back."""
+    from benchmarks.host_syncs import count_decode, tiny_setup
+
+    steps = 8
+    counter = count_decode(*tiny_setup(), method, context=300, steps=steps)
+    assert counter.total <= HOST_SYNC_BOUNDS[method] * steps, counter.where.most_common()
+
+
 def test_snapkv_scores_respect_causality_and_padding():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
