@@ -9,7 +9,7 @@ one with the line of residualkv/ or kernels/ that asked for it. Not counted: hos
 (`.to(device)` of a CPU tensor is a no-op here), which stall less (pageable copies return once staged).
 
     python benchmarks/host_syncs.py [--backbone smollm2-135m] [--context 300] [--steps 8]
-                                    [--methods standalone,omnikv,...] [--json OUT]
+                                    [--methods standalone,omnikv,...] [--kernels] [--json OUT]
 
 prints, per method, the host syncs per decode step of a tiny random Llama (4 layers, 2 of them full
 attention), or of a real backbone, on the library's torch path, and the lines they come from. tests/test_sparse.py keeps the
@@ -160,9 +160,13 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--backbone", help="a real backbone (e.g. smollm2-135m, from the data dir) with its default "
                     "cache config, an untrained codec and an OmniKV budget of 256 + 32 recent, in place of the tiny model")
+    ap.add_argument("--kernels", action="store_true", help="the Triton kernel path (kernel_impl triton; on a CPU "
+                    "run it under TRITON_INTERPRET=1, slow: use the tiny model) in place of the torch path")
     ap.add_argument("--json", type=Path, help="write {method: {per_step, by_line}} here")
     a = ap.parse_args(argv)
     model, codec, cfg = backbone_setup(a.backbone) if a.backbone else tiny_setup()
+    if a.kernels:
+        cfg = cfg.replace(kernel_impl="triton")
     report = {}
     for method in a.methods.split(","):
         if method not in METHODS:
@@ -174,7 +178,8 @@ def main(argv=None) -> int:
         for line, n in report[method]["by_line"].items():
             print(f"    {n:5.1f}  {line}")
     if a.json:
-        a.json.write_text(json.dumps({"model": a.backbone or "tiny random Llama (4 layers)", "context": a.context,
+        a.json.write_text(json.dumps({"model": a.backbone or "tiny random Llama (4 layers)", "path": cfg.kernel_impl,
+                                      "context": a.context,
                                       "steps": a.steps, "batch": a.batch, "methods": report}, indent=1))
     return 0
 
