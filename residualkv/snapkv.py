@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .rope import apply_rope
 from .stores import nbytes_of
 
 _HOOK_FLAG = "_rkv_snapkv_hooks"
@@ -209,11 +210,6 @@ def detach(model) -> None:
         delattr(model, _HOOK_FLAG)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _window_queries_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, SnapKVCache):
@@ -228,8 +224,7 @@ def _window_queries_hook(module, args, kwargs):
     q = module.q_proj(h).view(h.shape[0], w, -1, module.head_dim).transpose(1, 2)
     if getattr(module, "q_norm", None) is not None:
         q = module.q_norm(q)
-    cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
-    layer.pending_queries = (q * cos + _rotate_half(q) * sin).detach()
+    layer.pending_queries = apply_rope(q, cos[:, -w:], sin[:, -w:]).detach()
     mask = kwargs.get("attention_mask")
     layer.pending_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 4 else None
     return None
