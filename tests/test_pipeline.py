@@ -462,6 +462,52 @@ def test_bench_regress_judges_scores_on_the_same_samples_against_another_version
                                                      paired=[real]).text()
 
 
+def test_bench_regress_against_itself_judges_scores_paired_and_the_answer_nll_fixed(monkeypatch):
+    """A self-check (the champion re-run): one answer flipped by another CPU's rounding passes, answers lost
+    by a code change fail, and the answer NLL is not paired (nothing flips when it is teacher-forced) but
+    keeps the fixed tolerance with the other metrics. bench_regress runs with the registry and the harness
+    replaced by their records: what is under test is which baseline judges what."""
+    import flows.bench_regress as br
+
+    def records(method, right, nll=0.5):
+        return [{"method": method, "context_len": 2048, "id": f"{t}-{i}", "task": t, "seed": 0, "answers": [f"{t}{i}"],
+                 "prediction": "x", "score": float(ok), "answer_nll": nll}
+                for t, col in right.items() for i, ok in enumerate(col)]
+
+    full = records("full", {"a": [1, 1, 1, 1], "b": [1, 1, 1, 1]})
+    stored = full + records("residualkv", {"a": [1, 1, 1, 1], "b": [1, 1, 1, 0]})
+    stored_metrics = {"rel_score": 0.875, "score": 0.875, "task.a": 1.0, "answer_nll": 0.5, "kr_measured": 0.18}
+
+    class Version:
+        name, version, run_id = "rkv-x", "3", "r"
+
+    mv = Version()
+    monkeypatch.setattr(br.registry, "get_version", lambda uri: mv)
+    monkeypatch.setattr(br.registry, "version_suite", lambda v: {"backbone_ref": "b", "methods": ["full", "residualkv"],
+                                                                 "options": {}, "method": "residualkv"})
+    monkeypatch.setattr(br.registry, "fetch_codec_dir", lambda uri: "/nowhere")
+    monkeypatch.setattr(br.registry, "version_metrics", lambda v: stored_metrics)
+    monkeypatch.setattr(br, "stored_predictions", lambda v: stored)
+    monkeypatch.setattr(br, "validate_benchmark", lambda *a, **k: None)
+
+    def rerun(answers, nll):
+        preds = full + records("residualkv", answers, nll)
+        monkeypatch.setattr(br, "run_evaluation", lambda *a, **k: {"rows": [], "files": []})
+        monkeypatch.setattr(br, "result_predictions", lambda result: preds)
+        right = sum(answers["a"] + answers["b"]) / 8
+        monkeypatch.setattr(br, "headline_metrics", lambda rows, method: stored_metrics | {
+            "rel_score": right, "score": right, "task.a": sum(answers["a"]) / 4, "answer_nll": nll})
+        return br.bench_regress("models:/rkv-x@champion", 0.02, log_to_mlflow=False, progress=False)
+
+    flipped = rerun({"a": [1, 1, 1, 0], "b": [1, 1, 1, 0]}, 0.5)  # 7/8 -> 6/8: one answer
+    assert flipped.passed, flipped.text()
+    assert [p.quantity for p in flipped.paired] == ["rel_score"] and flipped.baseline_source.startswith("its stored")
+    lost = rerun({"a": [0, 0, 0, 0], "b": [0, 0, 1, 0]}, 0.5)
+    assert not lost.passed and [p.quantity for p in lost.regressions] == ["rel_score"]
+    nll = rerun({"a": [1, 1, 1, 1], "b": [1, 1, 1, 0]}, 0.53)  # same answers, right ones 0.03 nats less likely
+    assert [c.metric for c in nll.regressions] == ["answer_nll"]
+
+
 def test_bench_regress_judges_answer_nll_on_the_same_samples():
     """Two codecs can give the same string-match answers while one makes the right answer less likely:
     the paired answer-NLL check sees it, and judges it against the sampling noise, not a fixed step."""
