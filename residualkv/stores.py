@@ -278,12 +278,7 @@ class ResidualStore:
         """Decode each reference named by the pairs (b, r) once: (table [M, d] float32 in (row, reference)
         order, the table row of each pair). The last R_new stored references are this write's, taken from
         `fresh` [B, R_new, d], which carries the straight-through gradient; the rest come from their bytes."""
-        R = max(self.n_refs, 1)
-        key = b * R + r
-        # a mark per stored reference instead of torch.unique: the same ascending rows and inverse, without
-        # its sort (4x faster on CPU for the ~11K pairs a sparse read at 8K names)
-        named = torch.zeros(self.refs.shape[0] * R, dtype=torch.bool, device=key.device)
-        named[key] = True
+        named, key, R = self._mark(b, r)
         rows, slot = named.nonzero().squeeze(1), (torch.cumsum(named, 0) - 1)[key]
         ub, ur = rows // R, rows % R
         if fresh is None:  # a read: every named reference is stored
@@ -294,6 +289,20 @@ class ResidualStore:
         table[old] = decode_ref(take_rows(self.refs, ub[old], ur[old]), self.cfg.ref_format)
         table[~old] = fresh[ub[~old], ur[~old] - r_old]
         return table, slot
+
+    def _mark(self, b: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(a mark per stored reference [B·R] set where the pairs (b, r) name one, each pair's key into it, R).
+        A mark instead of torch.unique: the same ascending rows and inverse, without its sort (4x faster on
+        CPU for the ~11K pairs a sparse read at 8K names)."""
+        R = max(self.n_refs, 1)
+        key = b * R + r
+        named = torch.zeros(self.refs.shape[0] * R, dtype=torch.bool, device=key.device)
+        named[key] = True
+        return named, key, R
+
+    def _count_refs(self, b: torch.Tensor, r: torch.Tensor) -> int:
+        """How many distinct references the pairs (b, r) name (what `_ref_table` would decode)."""
+        return int(self._mark(b, r)[0].sum())
 
     def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor) -> torch.Tensor:
         """Mean of the references `idx` [B, T, k] (-1 = unused) picked for new tokens, decoding only those
@@ -477,16 +486,21 @@ class ResidualStore:
         rb, rp = ref_at // S, flat_pos.index_select(0, ref_at)
         cb, cp = code_at // S, flat_pos.index_select(0, code_at)
         todo = None
+        kernel = bool(cb.numel()) and self._use_kernel()
         if rb.numel() or cb.numel():
             # which references are read: the selected ones and those the selected codes average, each
             # once. A code among the first k tokens after the sinks has fewer than k (-1 entries): it names
             # reference 0 there, which its mean then leaves out (no mask, so no sync, to list the pairs).
             idx = self.indices.rows(cb, cp) if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
-            code_rows = cb[:, None].expand_as(idx).reshape(-1)
-            table, slot = self._ref_table(torch.cat([rb, code_rows]), torch.cat([rp, idx.clamp(min=0).reshape(-1)]))
-            self.refs_decoded += int(table.shape[0])
-            flat_out.index_copy_(0, ref_at, table.index_select(0, slot[: rb.numel()]))
-        if cb.numel() and self._use_kernel():
+            pairs = (torch.cat([rb, cb[:, None].expand_as(idx).reshape(-1)]), torch.cat([rp, idx.clamp(min=0).reshape(-1)]))
+            if kernel:  # the kernel decodes the references its codes average: decode the selected ones only
+                self.refs_decoded += self._count_refs(*pairs)
+                flat_out.index_copy_(0, ref_at, decode_ref(take_rows(self.refs, rb, rp), cfg.ref_format))
+            else:
+                table, slot = self._ref_table(*pairs)
+                self.refs_decoded += int(table.shape[0])
+                flat_out.index_copy_(0, ref_at, table.index_select(0, slot[: rb.numel()]))
+        if kernel:
             # per row, its selected codes in order, padded with -1
             rank = (torch.cumsum(is_code, dim=1) - 1).reshape(-1)[code_at]
             width = cb.numel() if B == 1 else int(torch.bincount(cb, minlength=B).max())
