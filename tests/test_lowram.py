@@ -64,6 +64,26 @@ def test_low_rank_basis_survives_repeated_tokens():
 # values
 
 
+def test_key_factors_stay_in_fp16_range_on_long_prompts():
+    """B is stored in FP16: with an orthonormal A it would grow with sqrt(T) (a channel of 600 at 16K tokens
+    is ~77K, past FP16's 65504, read back as inf). The basis is scaled so B stays the size of the keys."""
+    from residualkv.config import LowRAMConfig
+    from residualkv.lowram.cache import factorise_keys, stored_keys
+
+    T, H, D = 16384, 2, 16
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, H, T, D, generator=g) for _ in range(2)]
+    for k in keys:
+        k[:, :, :, 3] += 600.0  # a massive channel, as real keys have
+    for bits in (None, 4):
+        basis, factors, rank = factorise_keys(keys, LowRAMConfig(key_bits=bits), torch.Generator().manual_seed(1))
+        assert torch.isfinite(factors).all() and factors.abs().max() < 4000, (bits, factors.abs().max())
+        read = stored_keys(basis, factors[..., : H * D], (1, H, T, D))
+        assert torch.isfinite(read).all()
+        # the massive channel comes back (a 4-bit basis within its rounding)
+        assert (read[..., 3] - 600).abs().mean() < (5 if bits is None else 60), bits
+
+
 def test_slim_init_recovers_values_when_the_key_projection_is_invertible():
     torch.manual_seed(0)
     kp, vp = torch.nn.Linear(32, 32, bias=True), torch.nn.Linear(32, 32, bias=True)  # 2 heads of 16, MHA-like

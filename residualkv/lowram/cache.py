@@ -196,8 +196,11 @@ def factorise_keys(k_pre: list[torch.Tensor], cfg: LowRAMConfig, generator: torc
     m = torch.cat([flat_heads(k) for k in k_pre], dim=-1)  # [R, T, G·H·D]
     a_bytes, multiple = _basis_rank_step(cfg)
     rank = rank_for_ratio(T, m.shape[-1], cfg.ratio, a_bytes, multiple=multiple, reserved=reserved)
+    # the orthonormal basis scaled by sqrt(T): its entries are then O(1) and B's the size of the keys'.
+    # Unscaled, B = A^T M grows with sqrt(T) and leaves FP16's range on long prompts (a key channel of
+    # 600 at 16K tokens is 600 x 128 = 77K > 65504: inf). B is fitted to the stored A, so nothing else changes.
     basis = Quantised(low_rank_basis(m, rank, oversample=cfg.oversample, power_iters=cfg.power_iters,
-                                     generator=generator), cfg.key_bits, cfg.group_size)
+                                     generator=generator) * T**0.5, cfg.key_bits, cfg.group_size)
     return basis, fit_layer_factors(m, basis.read()).to(torch.float16), rank
 
 
