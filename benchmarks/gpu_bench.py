@@ -9,7 +9,8 @@ skipped), it
   3. measures decode tokens/s against context length (32K-256K, batch 1 and 8 where memory allows)
      for a Llama-3.1-8B-shaped model with random bf16 weights: full cache vs ResidualKV standalone
      (library path, and the Triton-kernel path) vs ResidualKV + OmniKV (when the library has it), also
-     with its sparse layers' reuse buffer (select_reuse);
+     with its sparse layers' reuse buffer (select_reuse); each row also counts the host-device syncs of
+     one decode step (CUDA's sync debug mode);
   4. writes benchmarks/results/gpu_<device-slug>.json (device, versions, every figure) and a plot.
 
 `--quick` shrinks everything to toy shapes; without a GPU it runs the kernels in Triton's CPU
@@ -639,6 +640,33 @@ def decode_steps(model, cache, B, n, steps, dev, gen, warmup: int = 1) -> float:
     return times[len(times) // 2]
 
 
+def host_syncs_per_step(model, cache, B, n, dev, gen) -> int:
+    """Host-device syncs in one more decode step: on a GPU, CUDA's own count (torch.cuda.set_sync_debug_mode
+    warns at each synchronising operation; no explicit synchronize inside the step), elsewhere the CPU count
+    of benchmarks/host_syncs.py (the same operations, counted as aten calls)."""
+    import warnings
+
+    ids = torch.randint(0, model.config.vocab_size, (B, 1), device=dev, generator=gen)
+    p = torch.full((B, 1), n, device=dev)
+    with torch.inference_mode():
+        if dev.type != "cuda":
+            from benchmarks.host_syncs import HostSyncCounter
+
+            with HostSyncCounter() as counter:
+                model(input_ids=ids, position_ids=p, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+            return counter.total
+        sync(dev)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model(input_ids=ids, position_ids=p, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        sync(dev)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def omnikv_status() -> dict | None:
     """None when the library offers OmniKV selection (residualkv.attention + mode "omnikv"); else why not."""
     import importlib.util
@@ -794,6 +822,7 @@ def decode_benchmarks(dev, quick, budget: Budget, contexts, batches) -> tuple[li
                         ms = decode_steps(model, cache, B, n, 1 if variant == "residualkv-library" else steps, dev, gen,
                                           warmup=0 if quick else 1)
                     row.update(status="ok", ms_per_step=round(ms, 2), tokens_per_s=round(B * 1e3 / ms, 2))
+                    row["host_syncs_per_step"] = host_syncs_per_step(model, cache, B, n, dev, gen)
                     if mem is not None:  # working memory of the steps beyond the state (the cache) they start from
                         row["decode_peak_GB"] = round(mem.peak_bytes / 1e9, 3)
                     if variant.startswith("residualkv+omnikv"):  # what the sparse layers actually reconstructed
@@ -932,7 +961,8 @@ def main() -> int:
     decode_rows, meta = decode_benchmarks(dev, quick, budget, contexts, batches)
     report["decode"], report["decode_model"] = decode_rows, meta
     for r in decode_rows:
-        fig = f"{r['tokens_per_s']:9.2f} tok/s  x{r.get('speed_vs_full', '-')} vs full" if r.get("status") == "ok" \
+        fig = (f"{r['tokens_per_s']:9.2f} tok/s  x{r.get('speed_vs_full', '-')} vs full, "
+               f"{r.get('host_syncs_per_step', '?')} host syncs/step") if r.get("status") == "ok" \
             else f"{r.get('status')} {r.get('reason', '')}"
         print(f"  n={r['context']:>7} B={r['batch']} {r['variant']:38s} {fig}", flush=True)
     report["not_available"] = {
