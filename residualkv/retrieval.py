@@ -41,7 +41,8 @@ def mean_of_refs(refs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """refs [B, R, d] (decoded), idx [B, T, k] with -1 padding -> mean [B, T, d] over the valid entries.
 
     embedding_bag sums the k rows without materialising the [B, T, k, d] gather (~10x faster on CPU;
-    same order of additions, so the same bits), and it is differentiable in `refs` for training. Padding
+    same order of additions, so the same bits forward; its backward rounds differently, ~1e-8), and it is
+    differentiable in `refs` for training. Padding
     entries read row 0 with weight 0 (adding +0 changes no sum) rather than being found and masked out:
     asking whether any entry is padding would be a host-device sync on a GPU.
     """

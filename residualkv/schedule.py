@@ -53,7 +53,7 @@ class ReferenceSchedule:
     def layout(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(is_ref [n] bool, reference ordinals [R] long, code ordinals [n - R] long) over ordinals
         [0, n), as views of tensors kept on `device`. Every compressed layer reads this at every decode
-        step: kept on the device and computed ahead (an eighth more, at least 256 ordinals), a step costs
+        step: kept on the device and computed ahead (an eighth more, plus 256 ordinals), a step costs
         no host work over the history and no host-to-device copy, and reads index with it instead of
         boolean masks (each of which is a host-device sync on a GPU)."""
         device = torch.device(device)

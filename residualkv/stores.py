@@ -311,6 +311,8 @@ class ResidualStore:
         B, T, k = idx.shape
         valid = idx >= 0
         rows = torch.arange(B, device=idx.device)[:, None, None].expand_as(idx)
+        if not self.n_refs:  # none stored (a SnapKV eviction kept none): nothing to average
+            return torch.zeros(B, T, self.refs.shape[-1], device=idx.device)
         if not refs_hat.shape[1]:  # a decode step: decode its B·T·k rows directly
             # (-1 entries, before k references exist, read reference 0 and are left out of the mean)
             table = decode_ref(take_rows(self.refs, rows.reshape(-1), idx.clamp(min=0).reshape(-1)), self.cfg.ref_format)
@@ -489,10 +491,13 @@ class ResidualStore:
         kernel = bool(cb.numel()) and self._use_kernel()
         if rb.numel() or cb.numel():
             # which references are read: the selected ones and those the selected codes average, each
-            # once. A code among the first k tokens after the sinks has fewer than k (-1 entries): it names
-            # reference 0 there, which its mean then leaves out (no mask, so no sync, to list the pairs).
+            # once. A code with fewer than k references before it (-1 entries; only where n_sink < k) names
+            # reference 0 there, which its mean then leaves out (no mask, so no sync, to list the pairs);
+            # where no reference is stored at all (a SnapKV eviction kept none) codes name none
             idx = self.indices.rows(cb, cp) if cb.numel() else cb.new_empty(0, cfg.k)  # [N, k], -1 = unused
-            pairs = (torch.cat([rb, cb[:, None].expand_as(idx).reshape(-1)]), torch.cat([rp, idx.clamp(min=0).reshape(-1)]))
+            named = idx if self.n_refs else idx[:0]
+            pairs = (torch.cat([rb, cb[: named.shape[0], None].expand_as(named).reshape(-1)]),
+                     torch.cat([rp, named.clamp(min=0).reshape(-1)]))
             if kernel:  # the kernel decodes the references its codes average: decode the selected ones only
                 self.refs_decoded += self._count_refs(*pairs)
                 flat_out.index_copy_(0, ref_at, decode_ref(take_rows(self.refs, rb, rp), cfg.ref_format))
@@ -519,8 +524,10 @@ class ResidualStore:
                 todo = order[: B * S - n_code]
             self.codes_decoded += int(cb.numel())
         elif cb.numel():
-            mean_idx = torch.where(idx >= 0, slot[rb.numel():].view_as(idx), -1)
-            mean = mean_of_refs(table[None], mean_idx[None])[0]
+            if self.n_refs:
+                mean = mean_of_refs(table[None], torch.where(idx >= 0, slot[rb.numel():].view_as(idx), -1)[None])[0]
+            else:
+                mean = torch.zeros(cb.numel(), like.shape[-1], device=dev)
             z = dequantize(Packed(*(take_rows(t, cb, cp) for t in self.codes)), cfg.bits, cfg.group_size)
             flat_out.index_copy_(0, code_at, self._decode(z, mean, latent))
             if latent:

@@ -507,6 +507,18 @@ def test_snapkv_eviction_keeps_survivors_exact_and_is_irreversible():
         assert one.visible_ordinals()[0].tolist() == keep.tolist() + list(range(60, 69))
 
 
+def test_an_eviction_that_keeps_no_reference_decodes_on():
+    """SnapKV with no sinks and no budget keeps only the window: every reference is evicted. Tokens coded
+    after it have no reference to average (their means are 0) and read back as written."""
+    store = _filled_store(stride=4, n_sink=0, seed=2, tokens=41)
+    row = store.split_rows()[0]
+    row.evict(torch.tensor([], dtype=torch.long))
+    assert row.n_refs == 0
+    new = row.write(torch.randn(1, 3, 64))  # ordinals 41-43: codes
+    torch.testing.assert_close(row.read(), new, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(row.read_selected(torch.tensor([[42]])), new[:, 1:2], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("window", [0, 24])
 def test_snapkv_accounting_explains_every_byte(window):
     torch.manual_seed(0)
