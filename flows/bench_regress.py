@@ -24,10 +24,12 @@ beyond the sampling noise). score, rel_score and task.* are then shown, not gate
 version's minus the baseline's on the same samples, a regression when the interval lies wholly above
 +nll_tolerance (the right answers became less likely beyond the noise); answer_nll* are then shown only.
 Against its own stored metrics a re-run is deterministic on one machine, but on another CPU float
-rounding can flip a greedy answer, and one answer of a few samples per task moves a score by more than any
-useful tolerance: where the version stored its predictions, its scores are judged the same paired way
-against them (one flipped answer stays inside the interval, a code change that loses answers does not).
-The answer NLL is teacher-forced, so nothing flips: it keeps the fixed tolerance with the other metrics.
+rounding can flip a greedy answer either way, and one answer of a few samples per task moves a score by
+more than any useful tolerance. Where the version stored its predictions, its scores are judged by the
+answers themselves: per context length, the re-run may lose up to `flips` answers (default 1) net of those
+it gains on the same samples; more is a regression (a code change that loses two answers fails).
+score, rel_score and task.* are then shown, not gated. The answer NLL is teacher-forced, so nothing
+flips: it keeps the fixed tolerance with the other metrics.
 Exit 0: no regression; 1: regressions (a table says which); 2: the version cannot be checked.
 """
 
@@ -45,8 +47,8 @@ from registry.store import client, experiment_id, retrying
 from tasks.backbones import resolve_backbone
 from tasks.measure import run_evaluation
 from tasks.validation import validate_benchmark
-from tasks.paired import (ANSWER_NLL_TOLERANCE, PairedCheck, baseline_of, judge_paired, result_predictions,
-                          stored_predictions)
+from tasks.paired import (ANSWER_FLIPS, ANSWER_NLL_TOLERANCE, FlipCheck, PairedCheck, baseline_of, flip_checks,
+                          judge_paired, result_predictions, stored_predictions)
 from tasks.tracking import headline_metrics, metric_direction
 
 from .summary import table
@@ -92,10 +94,12 @@ class RegressReport:
     rows: list[dict[str, Any]] = field(default_factory=list)
     paired: list[PairedCheck] = field(default_factory=list)
     paired_note: str = ""  # why the scores kept the fixed tolerance, when they did
+    flips: list[FlipCheck] = field(default_factory=list)  # against its own stored run: answers lost and gained
 
     @property
-    def regressions(self) -> list[Comparison | PairedCheck]:
-        return [c for c in self.comparisons if c.regressed] + [p for p in self.paired if p.regressed]
+    def regressions(self) -> list[Comparison | PairedCheck | FlipCheck]:
+        return ([c for c in self.comparisons if c.regressed] + [p for p in self.paired if p.regressed]
+                + [f for f in self.flips if f.regressed])
 
     @property
     def passed(self) -> bool:
@@ -106,10 +110,10 @@ class RegressReport:
         for c in self.comparisons:
             sign = ">=" if c.direction == "max" else "<="
             bound = c.baseline - c.allowed if c.direction == "max" else c.baseline + c.allowed
-            status = "REGRESSION" if c.regressed else ("ok" if c.gated else "shown (paired check below)")
+            status = "REGRESSION" if c.regressed else ("ok" if c.gated else "shown (judged on the samples below)")
             rows.append([c.metric, f"{c.baseline:.4f}", "-" if c.measured is None else f"{c.measured:.4f}",
                          "-" if c.delta is None else f"{c.delta:+.4f}", f"{sign} {bound:.4f}", status])
-        n = len([c for c in self.comparisons if c.gated]) + len(self.paired)
+        n = len([c for c in self.comparisons if c.gated]) + len(self.paired) + len(self.flips)
         head = (f"bench-regress {self.uri} (v{self.version}) vs {self.baseline_source}: "
                 f"{'PASS' if self.passed else 'FAIL'} - {len(self.regressions)} regression(s) in {n} metrics")
         out = head + "\n" + table(["metric", "baseline", "measured", "delta", "allowed", "status"], rows)
@@ -119,6 +123,11 @@ class RegressReport:
                 [[p.metric, f"{p.difference:+.4f}", f"{p.ci[0]:+.4f} .. {p.ci[1]:+.4f}", f"{p.p_ahead:.0%}",
                   f"above {p.tolerance:+.4f}" if p.lower_is_better else f"below {-p.tolerance:+.4f}",
                   "REGRESSION" if p.regressed else "ok"] for p in self.paired])
+        if self.flips:
+            out += "\n\non the same samples as the stored run (answers; a regression when lost - gained > allowed):\n" + table(
+                ["check", "lost", "gained", "allowed", "status"],
+                [[f.metric, f"{f.lost:g}", f"{f.gained:g}", f"{f.allowed:g}", "REGRESSION" if f.regressed else "ok"]
+                 for f in self.flips])
         if self.paired_note:
             out += f"\n{self.paired_note}"
         return out
@@ -153,7 +162,8 @@ def _baseline(mv, against: str) -> tuple[str, Any]:
 
 
 def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", progress: bool = True,
-                  log_to_mlflow: bool = True, nll_tolerance: float = ANSWER_NLL_TOLERANCE) -> RegressReport:
+                  log_to_mlflow: bool = True, nll_tolerance: float = ANSWER_NLL_TOLERANCE,
+                  allowed: float = ANSWER_FLIPS) -> RegressReport:
     mv = registry.get_version(uri)
     suite = registry.version_suite(mv)
     if not suite:
@@ -170,20 +180,24 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
 
     source, base_mv = _baseline(mv, against)
     baseline = registry.version_metrics(base_mv)
+    checks, flips = [], []
     if base_mv is not mv:  # another version: its scores differ from these by sampling noise, compare them paired
         base = baseline_of(base_mv, suite, lambda d: run_evaluation(ref, d, config, progress=progress), suite["method"])
         if base["remeasured"]:
             baseline, source = base["metrics"], f"the champion (v{base_mv.version}) re-measured on this suite"
         checks, why = judge_paired(result_predictions(result), base["predictions"], suite["method"], tolerance,
                                    nll_tolerance=nll_tolerance)
-    else:  # itself: the scores paired against its stored predictions, the answer NLL fixed (see the docstring)
-        checks, why = judge_paired(result_predictions(result), stored_predictions(mv), suite["method"], tolerance,
-                                   side="version's stored run", nll_tolerance=None)
-    note = f"scores kept the fixed tolerance: {why}" if why else ""
+        note = f"scores kept the fixed tolerance: {why}" if why else ""
+        shown = sorted({c.quantity for c in checks})
+    else:  # itself: the answers lost and gained against its stored predictions (see the docstring)
+        mine, stored = result_predictions(result), stored_predictions(mv)
+        flips = flip_checks(mine, stored, suite["method"], allowed) if mine is not None and stored is not None else []
+        note = "" if flips else ("scores kept the fixed tolerance: no per-sample predictions stored for "
+                                 f"{'the measured run' if mine is None else 'the version'}, or none shared")
+        shown = ["rel_score"] if flips else []
     report = RegressReport(uri=uri, version=str(mv.version), baseline_source=source,
-                           comparisons=compare(baseline, measured, tolerance,
-                                               paired=sorted({c.quantity for c in checks})),
-                           measured=measured, rows=result["rows"], paired=checks, paired_note=note)
+                           comparisons=compare(baseline, measured, tolerance, paired=shown),
+                           measured=measured, rows=result["rows"], paired=checks, paired_note=note, flips=flips)
     if log_to_mlflow:
         try:
             _log(report, mv, tolerance, nll_tolerance)
@@ -208,6 +222,9 @@ def _log(report: RegressReport, mv, tolerance: float, nll_tolerance: float) -> N
         metrics += [Metric(f"paired/{p.quantity}_diff_ctx{p.context_len}", p.difference, now, 0),
                     Metric(f"paired/{p.quantity}_diff_lo_ctx{p.context_len}", p.ci[0], now, 0),
                     Metric(f"paired/{p.quantity}_diff_hi_ctx{p.context_len}", p.ci[1], now, 0)]
+    for f in report.flips:
+        metrics += [Metric(f"flips/answers_lost_ctx{f.context_len}", f.lost, now, 0),
+                    Metric(f"flips/answers_gained_ctx{f.context_len}", f.gained, now, 0)]
     if metrics:
         retrying(c.log_batch, run.info.run_id, metrics=metrics)
     retrying(c.log_text, run.info.run_id, report.text() + "\n", "bench_regress.txt")

@@ -1,7 +1,7 @@
 """Pipeline commands for `rkv` (registered by residualkv/cli.py), also runnable as `python -m flows.cli ...`.
 
     rkv run [--profile quick]                         the whole pipeline; ends with a summary table
-    rkv bench-regress [--codec models:/NAME@champion] [--tolerance 0.02] [--nll-tolerance 0.05]
+    rkv bench-regress [--codec models:/NAME@champion] [--tolerance 0.02] [--nll-tolerance 0.05] [--flips 1]
                       [--against auto|self|champion]
     rkv deploy [--profile quick] [--run-now] [--run-once] [--work-pool NAME]   scheduled retraining
 """
@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     b.add_argument("--nll-tolerance", type=_tolerance, default=None,
                    help="against another version: the answer NLL (nats/token) may rise by this much on the same "
                         "samples before an interval wholly above it is a regression (default 0.05)")
+    b.add_argument("--flips", type=_tolerance, default=None,
+                   help="against its own stored run: answers the re-run may lose, net of those it gains, per context "
+                        "length before its scores count as regressed (another CPU's rounding can flip one; default 1)")
     b.add_argument("--against", default="auto", choices=("auto", "self", "champion"),
                    help="baseline: auto = the version's own metrics if it is the champion, else the champion's")
     b.add_argument("--json", default=None, metavar="OUT", help="also write the comparison as JSON")
@@ -98,6 +101,8 @@ def cmd_bench_regress(args) -> int:
     uri = args.codec or default_uri(prof)
     try:
         extra = {} if args.nll_tolerance is None else {"nll_tolerance": args.nll_tolerance}
+        if args.flips is not None:
+            extra["allowed"] = args.flips
         report = bench_regress(uri, tolerance=args.tolerance, against=args.against, **extra)
     except registry.RegistryError as error:
         print(f"bench-regress: cannot check {uri}: {error}", file=sys.stderr)
@@ -113,7 +118,8 @@ def cmd_bench_regress(args) -> int:
                        "comparisons": [{"metric": c.metric, "baseline": c.baseline, "measured": c.measured,
                                         "allowed": c.allowed, "regressed": c.regressed, "gated": c.gated}
                                        for c in report.comparisons],
-                       "paired": [p.as_dict() for p in report.paired], "paired_note": report.paired_note},
+                       "paired": [p.as_dict() for p in report.paired], "paired_note": report.paired_note,
+                       "flips": [f.as_dict() for f in report.flips]},
                       f, indent=2)
     return 0 if report.passed else 1
 

@@ -83,6 +83,54 @@ def paired_checks(measured: Sequence[Mapping[str, Any]], baseline: Sequence[Mapp
     return out
 
 
+ANSWER_FLIPS = 1.0  # answers a re-run may lose, net, against its own stored run (bench-regress --flips)
+
+
+@dataclass
+class FlipCheck:
+    """A version re-run against its own stored predictions at one context length: the score lost and gained
+    on the same samples, in answers (a sample scored 0.5 counts half). On one machine a re-run is
+    deterministic, so any change is the code's; but on another CPU float rounding can flip a greedy answer
+    either way, and one answer of a few samples per task moves a score by more than a useful tolerance. Up
+    to `allowed` answers lost net of those gained are forgiven; more is a regression."""
+    context_len: int
+    n_samples: int
+    lost: float
+    gained: float
+    allowed: float
+
+    @property
+    def metric(self) -> str:
+        return f"answers_ctx{self.context_len} vs the stored run ({self.n_samples} samples)"
+
+    @property
+    def regressed(self) -> bool:
+        return self.lost - self.gained > self.allowed + 1e-9
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "context_len": self.context_len, "n_samples": self.n_samples, "lost": self.lost,
+                "gained": self.gained, "allowed": self.allowed, "regressed": self.regressed}
+
+
+def flip_checks(measured: Sequence[Mapping[str, Any]], stored: Sequence[Mapping[str, Any]], method: str,
+                allowed: float = ANSWER_FLIPS) -> list[FlipCheck]:
+    """Per context length, the answers of `method` that the re-run `measured` lost and gained against the
+    `stored` run on the samples both answered (none shared: no checks)."""
+    from residualkv.evaluation.harness import sample_key
+
+    before = {sample_key(r): float(r["score"]) for r in stored if r["method"] == method}
+    tally: dict[Any, list[float]] = {}
+    for r in measured:
+        key = sample_key(r) if r["method"] == method else None
+        if key in before:
+            t = tally.setdefault(r.get("context_len"), [0, 0.0, 0.0])
+            change = float(r["score"]) - before[key]
+            t[0] += 1
+            t[1] += max(-change, 0.0)
+            t[2] += max(change, 0.0)
+    return [FlipCheck(L, int(n), lost, gained, allowed) for L, (n, lost, gained) in tally.items()]
+
+
 def judges_scores(checks: Sequence[PairedCheck]) -> bool:
     """Whether the checks include rel_score ones, which then stand in for the point scores' fixed tolerance."""
     return any(c.quantity == "rel_score" for c in checks)
