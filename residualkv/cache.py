@@ -460,6 +460,7 @@ class ResidualKVCache(Cache):
                 self.rope.forget()
             if self.sparse is not None:
                 self.sparse.selection = None
+            self.rows.schedule.selection_plan = None
         return out
 
     def _update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

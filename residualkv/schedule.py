@@ -27,6 +27,9 @@ class ReferenceSchedule:
         self._next = 0  # next reference ordinal
         # per device: the layout over the first `covered` ordinals (see `layout`), computed ahead
         self._layouts: dict[torch.device, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (selection, its key, plan) of the last selection a decode step read (ResidualStore._plan): the layers
+        # reading one selection share it; the cache drops it when the step ends
+        self.selection_plan: tuple | None = None
 
     def _extend(self, n: int) -> None:
         new = []

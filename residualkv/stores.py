@@ -460,24 +460,7 @@ class ResidualStore:
         ordinals = ordinals.to(device=dev, dtype=torch.long)
         if check and bool((ordinals >= self.n).any()):
             raise IndexError(f"ordinals must lie in [0, {self.n})")
-        if not self.n_win:  # the usual case (no recent window): every selected token is coded
-            is_ref, pos = self._locate(ordinals, check)
-            in_win = None
-        else:
-            in_win = ordinals >= self.n_coded
-            if self.n_coded:
-                is_ref, pos = self._locate(ordinals.clamp(max=self.n_coded - 1), check=False)
-                if check and not bool(in_win.all()):
-                    self._locate(ordinals[~in_win][None])  # the checks, on the coded ordinals only
-                is_ref = is_ref & ~in_win
-            else:
-                is_ref, pos = torch.zeros_like(in_win), torch.zeros_like(ordinals)
-        is_code = ~is_ref if in_win is None else ~is_ref & ~in_win
-        # positions as flat indices into the B·S selected tokens, for index_select/index_copy_ (each
-        # boolean-mask index or assignment would be a host-device sync of its own on a GPU): one count
-        # for the host, then a stable sort puts references first, window tokens next, codes last
-        n_ref, n_code = torch.stack([is_ref.sum(), is_code.sum()]).tolist()
-        order = torch.argsort(is_code.reshape(-1).to(torch.int8) - is_ref.reshape(-1).to(torch.int8), stable=True)
+        is_ref, pos, is_code, order, n_ref, n_code = self._plan(ordinals, check)
         ref_at, win_at, code_at = order[:n_ref], order[n_ref : B * S - n_code], order[B * S - n_code :]
         flat_pos = pos.reshape(-1)
         out = torch.empty(B, S, like.shape[-1], device=dev)
@@ -534,6 +517,42 @@ class ResidualStore:
                 lat = _selected_latents(B, S, code_at, z)
             self.codes_decoded += int(cb.numel())
         return _with_latent(out, rope, todo, lat)
+
+    def _plan(self, ordinals: torch.Tensor, check: bool) -> tuple:
+        """Where the selected tokens live: (is_ref, index into refs or codes, is_code [B, S]; their flat
+        positions sorted references first, window tokens next, codes last; how many references, codes).
+        Without an eviction this depends only on the schedule and the token count, which every compressed
+        layer shares: a selection the cache made (`check` False) is planned once for the run of sparse
+        layers that read it (kept on the schedule until the step ends), so its count, a host-device sync on
+        a GPU, is taken once per selection instead of once per layer."""
+        shared = not check and self.ref_ord is None
+        # an in-place change to the selection bumps its version (inference tensors keep none; the cache never
+        # changes a selection it made)
+        key = (None if ordinals.is_inference() else ordinals._version, self.n_coded, self.n, ordinals.device)
+        kept = self.schedule.selection_plan
+        if shared and kept is not None and kept[0] is ordinals and kept[1] == key:
+            return kept[2]
+        if not self.n_win:  # the usual case (no recent window): every selected token is coded
+            is_ref, pos = self._locate(ordinals, check)
+            is_code = ~is_ref
+        else:
+            in_win = ordinals >= self.n_coded
+            if self.n_coded:
+                is_ref, pos = self._locate(ordinals.clamp(max=self.n_coded - 1), check=False)
+                if check and not bool(in_win.all()):
+                    self._locate(ordinals[~in_win][None])  # the checks, on the coded ordinals only
+                is_ref = is_ref & ~in_win
+            else:
+                is_ref, pos = torch.zeros_like(in_win), torch.zeros_like(ordinals)
+            is_code = ~is_ref & ~in_win
+        # flat indices into the B·S selected tokens, for index_select/index_copy_ (each boolean-mask index or
+        # assignment would be a host-device sync of its own): one count for the host, then a stable sort
+        n_ref, n_code = torch.stack([is_ref.sum(), is_code.sum()]).tolist()
+        order = torch.argsort(is_code.reshape(-1).to(torch.int8) - is_ref.reshape(-1).to(torch.int8), stable=True)
+        plan = (is_ref, pos, is_code, order, n_ref, n_code)
+        if shared:
+            self.schedule.selection_plan = (ordinals, key, plan)  # holds `ordinals`: its identity stays its own
+        return plan
 
     def visible_ordinals(self) -> torch.Tensor:
         """[B, S] ordinals that take part in attention: all of them, or a SnapKV row's survivors."""

@@ -676,6 +676,22 @@ def test_decode_steps_ask_the_device_few_questions(method):
     assert counter.total <= HOST_SYNC_BOUNDS[method] * steps, counter.where.most_common()
 
 
+def test_a_selection_is_planned_once_for_the_sparse_layers_that_read_it():
+    """One filter layer, three sparse layers after it: they read one selection, whose count (one host sync)
+    is taken once per step, not per layer; each layer still lists the references its codes need (one each)."""
+    from benchmarks.host_syncs import count_decode, tiny_setup
+
+    model, _, cfg = tiny_setup()
+    cfg = cfg.replace(full_attention_layers=(0,))
+    codec = ResidualCodec.for_model(model.config, cfg, d_c=16, d_ff=32, seed=0)
+    steps = 4
+    counter = count_decode(model, codec, cfg, "omnikv", context=300, steps=steps)
+    per_step = {}
+    for (what, _), n in counter.where.items():
+        per_step[what] = per_step.get(what, 0) + n / steps
+    assert per_step.get("tolist") == 1 and per_step.get("nonzero") == 3, counter.where.most_common()
+
+
 def test_snapkv_scores_respect_causality_and_padding():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
