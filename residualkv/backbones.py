@@ -292,6 +292,19 @@ def _resolve(name_or_path: str | Path) -> tuple[BackboneSpec | None, str]:
     return _spec_for_hf_id(text), text
 
 
+def load_tokenizer(name_or_path: str | Path):
+    """The tokenizer of a backbone alone (seconds, not the model's load): None where it cannot be loaded on
+    its own, in which case `load_backbone` says why."""
+    from transformers import AutoTokenizer
+
+    try:
+        _, location = _resolve(name_or_path)
+        local = {"local_files_only": True} if hub_unreachable(location) else {}
+        return AutoTokenizer.from_pretrained(location, **local)
+    except Exception:  # noqa: BLE001 - load_backbone reports the cause with its fix
+        return None
+
+
 def load_backbone(
     name_or_path: str | Path,
     dtype: torch.dtype = torch.float32,

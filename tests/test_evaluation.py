@@ -98,6 +98,22 @@ def test_synthetic_refuses_a_context_too_short(tok):
         SyntheticGenerator(tok).sample("cwe", 200, 0)
 
 
+def test_rkv_eval_says_a_task_is_too_long_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """The synthetic samples need only the tokenizer: `rkv eval` makes them before the model loads, so a task
+    too long for --context-len fails in seconds (it used to load the model first)."""
+    import residualkv.backbones as backbones
+    from residualkv.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the samples were made")
+
+    monkeypatch.setattr(backbones, "load_backbone", no_model)
+    code = main(["eval", "--backbone", "smollm2-135m", "--suite", "synthetic", "--synthetic-tasks", "cwe",
+                 "--context-len", "200", "--methods", "full", "--json", str(tmp_path / "e.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cwe: 1 item(s) already exceed context_len=200" in err and "Traceback" not in err, err
+
+
 def test_needles_land_between_sentences():
     text = insert_at_depths("A b. C d. E f. G h.", ["N1.", "N2."], [0.0, 1.0])
     assert text == "N1. A b. C d. E f. G h. N2."

@@ -172,7 +172,7 @@ def cmd_pool(args) -> int:
 def cmd_eval(args) -> int:
     import torch
 
-    from ..backbones import load_backbone
+    from ..backbones import load_backbone, load_tokenizer
     from ..cli import base_config, check_codec_ref, latest_codec_path, resolve_codec
     from .harness import VARIANTS_HELP, check_suite, evaluate, known_method, method_needs_codec, suite_samples
     from .report import markdown_table
@@ -203,6 +203,13 @@ def cmd_eval(args) -> int:
         _fail_early_without_codec(args.backbone)
     elif needs_codec:
         check_codec_ref(args.codec)
+    prepared = None
+    if samples is None and lengths and check_suite(suite, tasks) is None and suite != "ppl":
+        # the synthetic samples need only the tokenizer: made before the model loads, so a task too long
+        # for --context-len fails in seconds
+        tokenizer = load_tokenizer(args.backbone)
+        if tokenizer is not None:
+            prepared = {L: suite_samples(suite, tokenizer, L, args.n_samples, args.seed, tasks) for L in lengths}
     print(f"[rkv eval] loading {args.backbone}", file=sys.stderr, flush=True)
     model, tok, spec = load_backbone(args.backbone)
     cfg = base_config(spec)
@@ -218,7 +225,7 @@ def cmd_eval(args) -> int:
                     out_dir=args.out_dir or json_path.parent, stem=json_path.stem,
                     json_path=json_path, progress=not args.no_progress, score_answers=not args.no_answer_nll,
                     extra={"backbone": args.backbone, "codec": str(codec_note) if codec_note else None,
-                           "suite": args.tasks or suite, "seed": args.seed})
+                           "suite": args.tasks or suite, "seed": args.seed}, prepared=prepared)
     print(markdown_table(rows))
     print(f"[rkv eval] wrote {json_path} (+ .csv, .md, _score_vs_kr.png, _predictions.jsonl in "
           f"{args.out_dir or json_path.parent})", file=sys.stderr)
