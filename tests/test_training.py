@@ -280,6 +280,48 @@ def test_time_budget_plans_the_schedule_and_stops_cleanly(tmp_path, packed):
     assert ResidualCodec.load(capped.codec_path).extra["training"]["stopped_early"]
 
 
+def test_two_processes_train_as_one_and_agree_on_their_time_budget(tmp_path):
+    """`torchrun --nproc_per_node 2` on CPUs: DDP over gloo (the codec's weights stay equal across processes),
+    and the decisions a wall clock makes (the planned length, when to stop) are the main process's, even
+    when the other measures its steps 5x slower. Taken apart, one process stopped early while the other
+    waited in the next gradient all-reduce for ever."""
+    script = tmp_path / "two.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import torch
+        from pathlib import Path
+        from tests.test_training import tiny_model, tiny_codec, fast
+        from tests.test_packing import tiny_tokenizer, write_corpus
+        from residualkv.training.packing import LocalSource, pack_documents
+        from residualkv.training import trainer as T
+        root, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+        packed = pack_documents(LocalSource(write_corpus(root / f"corpus{{rank}}")), tiny_tokenizer(), 64,
+                                root=root / f"packed{{rank}}")
+        if rank == 1:  # this process measures slower steps, and its clock runs out sooner
+            calibrate, elapsed = T.CodecTrainer._calibrate, T.CodecTrainer.elapsed
+            T.CodecTrainer._calibrate = lambda self: 5 * calibrate(self)
+            T.CodecTrainer.elapsed = lambda self: 2 * elapsed(self)
+        model = tiny_model()
+        codec = tiny_codec(model)
+        trainer = T.CodecTrainer(model, codec, packed.train, root / "run", fast(steps=None, minutes=0.05), progress=False)
+        result = trainer.train()
+        w = float(next(codec.parameters()).detach().double().sum())
+        print("RESULT", rank, type(trainer.objective).__name__, result.steps, result.total_steps, repr(w), flush=True)
+    """))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_RANK"))}
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+                         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = sorted(line.split()[1:] for line in run.stdout.splitlines() if line.startswith("RESULT"))
+    assert len(results) == 2, run.stdout
+    (r0, kind0, *rest0), (r1, kind1, *rest1) = results
+    assert kind0 == kind1 == "DistributedDataParallel"
+    assert rest0 == rest1, results  # the same steps, the same plan, the same weights
+    assert int(rest0[0]) > 0 and (tmp_path / "run" / "codec" / "codec.json").is_file()
+
+
 def test_lr_schedule_warms_up_then_decays_linearly():
     f = linear_warmup_decay(100, 0.02)
     assert [f(0), f(1)] == [0.5, 1.0]

@@ -386,7 +386,10 @@ class CodecTrainer:
         GradientState._reset_state()
         # sync_with_dataloader=False: accumulation windows run on across epoch ends, so the data
         # position alone says where a resumed run stands.
+        # cpu=True without a GPU: under torchrun/`accelerate launch` on CPUs, accelerate then runs DDP over gloo
+        # (without it every process would train alone, racing on one folder)
         self.accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(),
             mixed_precision="bf16" if config.bf16 else "no",
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.grad_accum,
                                                                     sync_with_dataloader=False))
@@ -462,7 +465,7 @@ class CodecTrainer:
         else:
             step_s = self._calibrate()
             budget = cfg.minutes * 60 - self.elapsed() - self._reserve_seconds(step_s)
-            self.state.total_steps = max(1, int(0.97 * budget / step_s))
+            self.state.total_steps = self._agreed(max(1, int(0.97 * budget / step_s)))
             self._say(f"measured {step_s:.1f}s per optimizer step: planning {self.state.total_steps} steps "
                       f"for the {cfg.minutes:g}-minute budget")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -495,7 +498,17 @@ class CodecTrainer:
     def _out_of_time(self, step_s: float) -> bool:
         if self.config.minutes is None:
             return False
-        return self.elapsed() + step_s + self._reserve_seconds(step_s) > self.config.minutes * 60
+        return self._agreed(self.elapsed() + step_s + self._reserve_seconds(step_s) > self.config.minutes * 60)
+
+    def _agreed(self, value):
+        """The main process's `value` on every process. Decisions taken from a wall clock (the planned length,
+        when to stop) differ between processes; taken apart, one process would stop while the others wait
+        for it in the next gradient all-reduce, for ever."""
+        if self.accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
 
     # ---- the loop -----------------------------------------------------------------------------
 
