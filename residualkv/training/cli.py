@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -171,8 +172,10 @@ def cmd_train(args) -> int:
     check_group_size(cache_config.group_size, (d_c, *layer_d_c.values()), label="--group-size ")
 
     packed = pack_documents(source, tokenizer, args.seq_len)
-    print(f"[rkv train] data: {packed.meta['train_blocks']} training and {packed.meta['heldout_blocks']} held-out "
-          f"blocks of {args.seq_len} tokens from {source.name} ({packed.path})", file=sys.stderr, flush=True)
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun / accelerate launch: one report, not N
+    if main_process:
+        print(f"[rkv train] data: {packed.meta['train_blocks']} training and {packed.meta['heldout_blocks']} held-out "
+              f"blocks of {args.seq_len} tokens from {source.name} ({packed.path})", file=sys.stderr, flush=True)
 
     start_digest = start.weights_digest() if start is not None else None
     out = Path(args.out) if args.out else codecs_dir(backbone) / run_name(args, source.name, start_digest)
@@ -199,6 +202,8 @@ def cmd_train(args) -> int:
     summary = {"codec": str(result.codec_path), "steps": result.steps, "total_steps": result.total_steps,
                "tokens": result.tokens, "train_seconds": round(result.seconds, 1), "resumed_from": result.resumed_from,
                "stopped_early": result.stopped_early, **result.metrics}
+    if not main_process:
+        return 0
     if args.json:
         print(json.dumps(summary))
     else:
