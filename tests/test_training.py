@@ -21,7 +21,7 @@ from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
 from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, cpu_has_native_bf16,
-                                         enable_mlp_checkpointing, freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, served_split,
+                                         enable_mlp_checkpointing, freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, replanned, served_split,
                                          train_codec, trained_reading)
 
 from .conftest import tiny_llama_config
@@ -320,6 +320,37 @@ def test_two_processes_train_as_one_and_agree_on_their_time_budget(tmp_path):
     assert kind0 == kind1 == "DistributedDataParallel"
     assert rest0 == rest1, results  # the same steps, the same plan, the same weights
     assert int(rest0[0]) > 0 and (tmp_path / "run" / "codec" / "codec.json").is_file()
+
+
+def test_a_replanned_schedule_decays_from_where_it_stands_to_the_new_end():
+    replans = []
+    f = replanned(100, 0.02, replans)
+    assert [f(0), f(1), f(51)] == [0.5, 1.0, pytest.approx(0.5)]  # as planned until a re-plan
+    replans.append([51, 76])  # read at every call: applies from its step on
+    assert f(50) == linear_warmup_decay(100, 0.02)(50) and f(51) == pytest.approx(0.5)
+    assert f(76) == 0.0 and f(63.5) == pytest.approx(0.25)
+    replans.append([61, 66])  # a second one continues from the first's factor at its step
+    assert f(61) == pytest.approx(0.5 * 15 / 25) and f(66) == 0.0 and f(70) == 0.0
+
+
+def test_a_time_budget_run_replans_when_its_steps_run_slower_than_calibrated(tmp_path, packed, monkeypatch):
+    """Calibration times two forward/backward passes; later steps can run slower (a shared machine). The
+    run then re-plans to end inside the budget, and its learning rate decays to 0 by the last step,
+    instead of the budget stopping it part-way down the schedule."""
+    from residualkv.training import trainer as T
+
+    calibrate = T.CodecTrainer._calibrate
+    monkeypatch.setattr(T.CodecTrainer, "_calibrate", lambda self: calibrate(self) / 4)  # plans 4x too many
+    lrs = []
+    model = tiny_model()
+    result = train_codec(model, tiny_codec(model), packed.train, tmp_path / "run", fast(steps=None, minutes=0.05),
+                         on_metrics=lambda step, m: lrs.append(m.get("lr")), progress=False)
+    info = _losses(result.codec_path)
+    assert info["replans"] and info["planned_steps"] > info["total_steps"] == result.total_steps, info["replans"]
+    # a step far slower than the recent ones can still meet the budget check (a busy machine): it stops then
+    if not result.stopped_early:
+        assert result.steps == result.total_steps
+        assert [x for x in lrs if x is not None][-1] < 0.1 * fast().lr  # the last step's rate: the decay's end
 
 
 def test_lr_schedule_warms_up_then_decays_linearly():

@@ -336,6 +336,9 @@ class TrainState:
     tokens: int = 0
     train_seconds: float = 0.0  # summed over all invocations
     history: list[list[float]] = field(default_factory=list)  # [step, loss, rec, ntp] per logged window
+    # [step, new total] per re-plan of a --minutes run whose steps ran slower than calibrated (see replanned)
+    replans: list[list[int]] = field(default_factory=list)
+    planned_steps: int = 0  # the length first planned (0: total_steps, in checkpoints written before re-plans)
 
 
 @dataclass
@@ -348,6 +351,27 @@ class TrainResult:
     resumed_from: int | None
     stopped_early: bool
     metrics: dict[str, float]
+
+
+def replanned(planned_steps: int, warmup_frac: float, replans: list[list[int]]) -> Callable[[int], float]:
+    """The LR factor of a schedule planned for `planned_steps` (linear_warmup_decay) and re-planned at each
+    [step s, total T] of `replans`: from s on it decays linearly from the factor then in force to 0 at T,
+    so the rate never jumps and still reaches 0 where the run now ends. Reads `replans` at every call: a
+    re-plan appended later applies from its step on."""
+    base = linear_warmup_decay(planned_steps, warmup_frac)
+
+    def factor(step: int) -> float:
+        value = base(step)
+        current = base
+        for s, total in replans:
+            if step < s:
+                break
+            start = current(s)
+            current = lambda t, s=s, total=total, start=start: start * max(0, total - t) / max(1, total - s)  # noqa: E731
+            value = current(step)
+        return value
+
+    return factor
 
 
 def linear_warmup_decay(total_steps: int, warmup_frac: float) -> Callable[[int], float]:
@@ -431,6 +455,7 @@ class CodecTrainer:
         self.objective, self.optimizer, self.loader = self.accelerator.prepare(
             CodecObjective(model, codec, config), optimizer, loader)
         self.scheduler = None  # built by plan() once the schedule length is known
+        self.replanning = False  # plan() made the schedule from this invocation's --minutes (see _replan)
 
     # ---- planning ---------------------------------------------------------------------------
 
@@ -468,8 +493,11 @@ class CodecTrainer:
             self.state.total_steps = self._agreed(max(1, int(0.97 * budget / step_s)))
             self._say(f"measured {step_s:.1f}s per optimizer step: planning {self.state.total_steps} steps "
                       f"for the {cfg.minutes:g}-minute budget")
+            self.replanning = True
+        st = self.state
+        st.planned_steps = st.planned_steps or st.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer.optimizer, linear_warmup_decay(self.state.total_steps, cfg.warmup_frac))
+            self.optimizer.optimizer, replanned(st.planned_steps, cfg.warmup_frac, st.replans))
         if self.resumed_from is not None:  # after the scheduler exists, so the restored LR is the one in force
             self._load_tensors(self.resumed_from)
 
@@ -495,6 +523,24 @@ class CodecTrainer:
     def elapsed(self) -> float:
         return time.monotonic() - self.start_time
 
+    REPLAN_EVERY = 5  # steps between re-plans, and the steps whose mean time predicts the rest
+
+    def _replan(self, recent: list[float]) -> int | None:
+        """A --minutes run planned from two calibration steps: when the steps run slower (a shared machine,
+        allocator growth), the budget would stop the run before its learning rate has decayed. Every few
+        steps, if the remaining steps no longer fit at the recent pace, the run is re-planned to end when
+        the budget does: the new total, or None. Shrinks only; the budget check still stops the run."""
+        st, cfg = self.state, self.config
+        if not self.replanning or len(recent) < self.REPLAN_EVERY or st.step >= st.total_steps:
+            return None
+        if st.replans and st.step - st.replans[-1][0] < self.REPLAN_EVERY:
+            return None
+        step_s = sum(recent[-self.REPLAN_EVERY:]) / self.REPLAN_EVERY
+        left = cfg.minutes * 60 - self.elapsed() - self._reserve_seconds(step_s)
+        fits = st.step + max(1, int(0.97 * left / step_s))
+        new = fits if fits < st.total_steps - max(1, st.total_steps // 50) else None  # 2% slack: no churn
+        return self._agreed(new)
+
     def _out_of_time(self, step_s: float) -> bool:
         if self.config.minutes is None:
             return False
@@ -519,7 +565,7 @@ class CodecTrainer:
             self._say(f"resuming from {self.resumed_from} (step {st.step} of {st.total_steps})")
         bar = self._bar()
         window: list[dict[str, float]] = []
-        stopped_early, step_s = False, 0.0
+        stopped_early, step_s, recent, first_step = False, 0.0, [], True
         t_step = time.perf_counter()
         micro: list[dict[str, float]] = []
         while st.step < st.total_steps and not stopped_early:
@@ -539,6 +585,19 @@ class CodecTrainer:
                 st.step += 1
                 bar.update(1)
                 bar.set_postfix({k: f"{window[-1][k]:.4g}" for k in ("loss", "rec", "ntp", "kd") if k in window[-1]})
+                if first_step:  # the invocation's first step pays for warm-up: not a pace to plan on
+                    first_step = False
+                else:
+                    recent.append(step_s)
+                new_total = self._replan(recent)
+                if new_total is not None:
+                    self._say(f"steps take {sum(recent[-self.REPLAN_EVERY:]) / self.REPLAN_EVERY:.3g}s, not the "
+                              f"planned pace: re-planning {st.total_steps} -> {new_total} steps so the learning "
+                              f"rate still decays to 0 inside the {cfg.minutes:g}-minute budget")
+                    st.replans.append([st.step, new_total])
+                    st.total_steps = new_total
+                    bar.total = new_total
+                    bar.refresh()
                 if st.step % cfg.log_every == 0 or st.step == st.total_steps:
                     self._log(window, step_s)
                     window = []
@@ -731,6 +790,7 @@ class CodecTrainer:
         stride = max(1, math.ceil(len(hist) / 100))
         return {
             "steps": st.step, "total_steps": st.total_steps, "stopped_early": stopped_early, "tokens": st.tokens,
+            "planned_steps": st.planned_steps, "replans": st.replans,
             "train_seconds": round(st.train_seconds, 1), "loss": cfg.loss, "reading": cfg.reading, "rec_reduction": cfg.rec_reduction,
             "rec_weight": cfg.rec_weight, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "grad_accum": cfg.grad_accum, "lr": cfg.lr, "seed": cfg.seed, "bits": self.codec.config.bits,
@@ -872,4 +932,4 @@ def train_codec(model: nn.Module, codec: ResidualCodec, train_data, out_dir: str
 __all__ = ["TrainConfig", "TrainError", "TrainResult", "CodecTrainer", "CodecObjective", "train_codec",
            "heldout_losses", "heldout_metrics", "token_kl", "trained_reading", "served_reading", "served_split",
            "served_forward", "served_start", "READINGS", "freeze_backbone", "enable_mlp_checkpointing",
-           "zero_decoders", "linear_warmup_decay", "LOSSES"]
+           "zero_decoders", "linear_warmup_decay", "replanned", "LOSSES"]
