@@ -236,7 +236,7 @@ class SparseController:
 
     def _sparse(self, layer_idx: int, read: tuple, padded: bool) -> tuple:
         *out, slots = read
-        hand_off(self, Handoff(self, layer_idx, "sparse", out[0], slots, padded=padded))
+        self._hand(layer_idx, "sparse", out[0], slots, padded)
         return tuple(out)
 
     # -- called by the attention function --
@@ -288,8 +288,9 @@ class SparseController:
 
     # -- hand-off --
 
-    def _hand(self, layer_idx: int, kind: str, key: torch.Tensor, slots: torch.Tensor | None) -> None:
-        hand_off(self, Handoff(self, layer_idx, kind, key, slots))
+    def _hand(self, layer_idx: int, kind: str, key: torch.Tensor, slots: torch.Tensor | None,
+              padded: bool = True) -> None:
+        hand_off(self, Handoff(self, layer_idx, kind, key, slots, padded=padded))
 
     def _check_pending(self) -> None:
         check_handed_off(self, f"the {self.cfg.mode} selection could not be made")

@@ -64,9 +64,8 @@ class ReferenceSchedule:
         if kept is None or kept[0] < n:
             covered = max(n, (kept[0] if kept else 0) * 9 // 8 + 256)
             is_ref = self.is_ref(0, covered)
-            ords = torch.arange(covered)
-            self._layouts[device] = kept = (covered, is_ref.to(device), ords[is_ref].to(device),
-                                            ords[~is_ref].to(device))
+            self._layouts[device] = kept = (covered, is_ref.to(device), self.ref_ordinals(covered).to(device),
+                                            torch.arange(covered)[~is_ref].to(device))
         n_refs = bisect_left(self._positions, n)
         return kept[1][:n], kept[2][:n_refs], kept[3][: n - n_refs]
 
