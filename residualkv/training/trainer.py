@@ -489,8 +489,7 @@ class CodecTrainer:
             self.state.total_steps = cfg.steps
         else:
             step_s = self._calibrate()
-            budget = cfg.minutes * 60 - self.elapsed() - self._reserve_seconds(step_s)
-            self.state.total_steps = self._agreed(max(1, int(0.97 * budget / step_s)))
+            self.state.total_steps = self._agreed(self._steps_that_fit(step_s))
             self._say(f"measured {step_s:.1f}s per optimizer step: planning {self.state.total_steps} steps "
                       f"for the {cfg.minutes:g}-minute budget")
             self.replanning = True
@@ -520,6 +519,11 @@ class CodecTrainer:
         n_eval = min(self.config.eval_blocks, len(self.heldout_data) if self.heldout_data is not None else 0)
         return (n_eval / self.config.grad_accum + 2) * step_s + 1.0
 
+    def _steps_that_fit(self, step_s: float) -> int:
+        """Steps of `step_s` seconds left in the --minutes budget (at least one), 3% kept as a margin."""
+        left = self.config.minutes * 60 - self.elapsed() - self._reserve_seconds(step_s)
+        return max(1, int(0.97 * left / step_s))
+
     def elapsed(self) -> float:
         return time.monotonic() - self.start_time
 
@@ -530,14 +534,12 @@ class CodecTrainer:
         allocator growth), the budget would stop the run before its learning rate has decayed. Every few
         steps, if the remaining steps no longer fit at the recent pace, the run is re-planned to end when
         the budget does: the new total, or None. Shrinks only; the budget check still stops the run."""
-        st, cfg = self.state, self.config
+        st = self.state
         if not self.replanning or len(recent) < self.REPLAN_EVERY or st.step >= st.total_steps:
             return None
         if st.replans and st.step - st.replans[-1][0] < self.REPLAN_EVERY:
             return None
-        step_s = sum(recent[-self.REPLAN_EVERY:]) / self.REPLAN_EVERY
-        left = cfg.minutes * 60 - self.elapsed() - self._reserve_seconds(step_s)
-        fits = st.step + max(1, int(0.97 * left / step_s))
+        fits = st.step + self._steps_that_fit(sum(recent[-self.REPLAN_EVERY:]) / self.REPLAN_EVERY)
         new = fits if fits < st.total_steps - max(1, st.total_steps // 50) else None  # 2% slack: no churn
         return self._agreed(new)
 
