@@ -142,12 +142,12 @@ def count_decode(model, codec, cfg, method: str, context: int = 300, steps: int 
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g)
     counter = HostSyncCounter()
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         pos = torch.full((batch, 1), context)
         with counter:
             for t in range(steps):
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True, position_ids=pos + t)
+                out = model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos + t)
                 nxt = out.logits[:, -1:].argmax(-1)
     return counter
 

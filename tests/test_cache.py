@@ -169,7 +169,7 @@ def test_prefill_attends_over_exact_kv_and_decode_over_the_stored_history(tiny_m
         assert [l.nbytes() for l in exact.layers] == [l.nbytes() for l in recon.layers]  # the same bytes stored
         # the next step reads its history from the stored bytes: no longer the full cache's result
         nxt = ids[:, -1:]
-        step_full = model(input_ids=nxt, past_key_values=full.past_key_values, use_cache=True).logits
+        step_full = model(input_ids=nxt, cache=full.cache, use_cache=True).logits
         step = model(input_ids=nxt, cache=exact, use_cache=True).logits
         assert not torch.allclose(step, step_full, atol=1e-2)
     with pytest.raises(Exception, match="new_kv"):
