@@ -214,12 +214,12 @@ class SparseController:
         layer, rows = self.cache.layers[layer_idx], self.cache.rows
         if self.cfg.mode == "omnikv":
             if self.decode and layer_idx not in self.filters and self.selection is not None:
+                read = layer.update_selected(key_states, value_states, rows, self.selection, latent=latent,
+                                             reuse=self.cfg.select_reuse)
                 # padding columns: where row groups read different lengths, or a reuse buffer holds tokens
                 # the step did not choose
-                padded = len(rows.groups) > 1 or (self.cfg.select_reuse and layer.can_reuse)
-                return self._sparse(layer_idx, layer.update_selected(key_states, value_states, rows, self.selection,
-                                                                     latent=latent, reuse=self.cfg.select_reuse),
-                                    padded)
+                padded = len(rows.groups) > 1 or any(buf.spare for buf in layer.buffers.values())
+                return self._sparse(layer_idx, read, padded)
             out = layer.update(key_states, value_states, rows, latent=latent)
             if self.decode and layer_idx in self.choosers:
                 self._hand(layer_idx, "score", out[0], None)
@@ -479,11 +479,12 @@ def _attend_handed(module, query, key, value, attention_mask, h: Handoff, kwargs
 def gather_mask(attention_mask: torch.Tensor | None, slots: torch.Tensor, query: torch.Tensor,
                 padded: bool = True) -> torch.Tensor | None:
     """The model's mask [B, 1, T, kv] restricted to the returned columns `slots` [B, L]; -1 columns masked
-    (`padded` False: there are none, known without asking the device)."""
+    (`padded` False: there are none, known without asking the device). Where columns may be padding, the
+    mask is returned even if none is: asking the device whether any is would be a host sync."""
     valid = slots >= 0
     B, L = slots.shape
     if attention_mask is None:
-        return None if not padded or bool(valid.all()) else valid[:, None, None, :]
+        return valid[:, None, None, :] if padded else None
     T = attention_mask.shape[-2]
     m = attention_mask.expand(B, -1, -1, -1)
     idx = slots.clamp(min=0)[:, None, None, :].expand(B, m.shape[1], T, L)

@@ -105,8 +105,10 @@ class _GroupedLayer(CacheLayerMixin):
         # history tokens that took part in attention / history tokens, summed over rows and steps
         self.tokens_read = 0
         self.tokens_available = 0
-        # one (history, attended, codes decoded, references read) tuple per decode step, summed over rows
-        self.decode_log: list[tuple[int, int, int, int]] = []
+        # one (history, attended, codes decoded, references read) tuple per decode step, summed over rows;
+        # the kernel path's reference counts stay on the device until `decode_log` is read
+        self._decode_log: list[tuple] = []
+        self._pending: list[int] = []  # entries whose count is still a device tensor
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -219,9 +221,20 @@ class _GroupedLayer(CacheLayerMixin):
         self.n_slots = s0 + T
         self._count(rows, s0, T, before, None)
 
-    def _decoded(self) -> tuple[int, int]:
+    @property
+    def decode_log(self) -> list[tuple[int, int, int, int]]:
+        """(history, attended, codes decoded, references read) per decode step, summed over rows. Counts a
+        step left on the device are read here, all at once (one host sync for the report, none per step)."""
+        if self._pending:
+            counts = torch.stack([self._decode_log[i][3] for i in self._pending]).tolist()
+            for i, n in zip(self._pending, counts):
+                self._decode_log[i] = (*self._decode_log[i][:3], int(n))
+            self._pending = []
+        return self._decode_log
+
+    def _decoded(self) -> tuple[int, int | torch.Tensor]:
         return (sum(getattr(s, "codes_decoded", 0) for s in self.stores),
-                sum(getattr(s, "refs_decoded", 0) for s in self.stores))
+                sum(getattr(s, "refs_count", 0) for s in self.stores))
 
     def _count(self, rows: RowLayout, s0: int, T: int, before: tuple[int, int], read: int | None) -> None:
         """Record a decode step (one new token per row) for CR and the per-step reconstruction counts."""
@@ -232,7 +245,10 @@ class _GroupedLayer(CacheLayerMixin):
         after = self._decoded()
         self.tokens_available += history
         self.tokens_read += read
-        self.decode_log.append((history, read, after[0] - before[0], after[1] - before[1]))
+        refs = after[1] - before[1]
+        if isinstance(refs, torch.Tensor):
+            self._pending.append(len(self._decode_log))
+        self._decode_log.append((history, read, after[0] - before[0], refs))
 
     def reset(self) -> None:
         _GroupedLayer.__init__(self)

@@ -74,6 +74,9 @@ class TokenBuffer:
         self.v: torch.Tensor | None = None
         self.visible: torch.Tensor | None = None  # [B, n] the slot holds a token of the last selection
         self.coded = 0  # ordinals below this were coded at the last read (the rest came from the window)
+        # slots the last read left holding no wanted token (the wanted ids are distinct, each in one slot):
+        # known on the host, so the attention masks them only where there are any, without asking the device
+        self.spare = 0
 
     def read(self, wanted: torch.Tensor, n_coded: int, n: int,
              rebuild: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -100,6 +103,7 @@ class TokenBuffer:
                 put(self.k, at, k)
                 put(self.v, at, v)
         self.coded = n_coded
+        self.spare = self.ids.shape[1] - S
         return self.k, self.v
 
     def columns(self) -> torch.Tensor:

@@ -164,9 +164,11 @@ class ResidualStore:
         self.evicted_refs = 0
         self.evicted_codes = 0
         self.hidden_refs = 0  # references kept after an eviction only because codes need them
-        # instrumentation (what reads really reconstructed): latent codes decoded, references read
+        # instrumentation (what reads really reconstructed): latent codes decoded, references read. The
+        # kernel path counts its references on the device (the count would be a host sync per layer and
+        # step on a GPU): refs_count is then a 0-d tensor, read as a number by `refs_decoded`
         self.codes_decoded = 0
-        self.refs_decoded = 0
+        self.refs_count: int | torch.Tensor = 0
         # training only (ResidualKVCache.keep_grad_history): the differentiable reconstructions `write`
         # returned, read back in place of decoding the stored (detached) bytes so that a later call's
         # loss reaches the encoder too; equal to the decoded bytes up to float rounding
@@ -300,9 +302,14 @@ class ResidualStore:
         named[key] = True
         return named, key, R
 
-    def _count_refs(self, b: torch.Tensor, r: torch.Tensor) -> int:
-        """How many distinct references the pairs (b, r) name (what `_ref_table` would decode)."""
-        return int(self._mark(b, r)[0].sum())
+    def _count_refs(self, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """How many distinct references the pairs (b, r) name (what `_ref_table` would decode), 0-d on the device."""
+        return self._mark(b, r)[0].sum()
+
+    @property
+    def refs_decoded(self) -> int:
+        """References reads have decoded so far (a host sync on a GPU where the kernel path counted them)."""
+        return int(self.refs_count)
 
     def _mean_of_chosen(self, idx: torch.Tensor, refs_hat: torch.Tensor) -> torch.Tensor:
         """Mean of the references `idx` [B, T, k] (-1 = unused) picked for new tokens, decoding only those
@@ -351,7 +358,7 @@ class ResidualStore:
         todo = None  # keys to rotate after the read (None: all of them)
         if self.refs is not None:
             refs = self.decoded_refs()
-            self.refs_decoded += refs.shape[0] * refs.shape[1]
+            self.refs_count = self.refs_count + refs.shape[0] * refs.shape[1]
             out.index_copy_(1, ref_ord, refs)
         if self.codes is not None:
             self.codes_decoded += self.codes.codes.shape[0] * self.codes.codes.shape[1]
@@ -482,16 +489,17 @@ class ResidualStore:
             pairs = (torch.cat([rb, cb[: named.shape[0], None].expand_as(named).reshape(-1)]),
                      torch.cat([rp, named.clamp(min=0).reshape(-1)]))
             if kernel:  # the kernel decodes the references its codes average: decode the selected ones only
-                self.refs_decoded += self._count_refs(*pairs)
+                self.refs_count = self.refs_count + self._count_refs(*pairs)  # on the device: no sync
                 flat_out.index_copy_(0, ref_at, decode_ref(take_rows(self.refs, rb, rp), cfg.ref_format))
             else:
                 table, slot = self._ref_table(*pairs)
-                self.refs_decoded += int(table.shape[0])
+                self.refs_count = self.refs_count + int(table.shape[0])
                 flat_out.index_copy_(0, ref_at, table.index_select(0, slot[: rb.numel()]))
         if kernel:
             # per row, its selected codes in order, padded with -1
             rank = (torch.cumsum(is_code, dim=1) - 1).reshape(-1)[code_at]
-            width = cb.numel() if B == 1 else int(torch.bincount(cb, minlength=B).max())
+            # wide enough for the row with the most codes, without asking the device which row that is
+            width = min(S, n_code)
             sel = torch.full((B, width), -1, dtype=torch.long, device=dev)
             sel[cb, rank] = cp
             code_rope = None
@@ -650,7 +658,8 @@ class RowStores:
 
     n = property(lambda self: self.stores[0].n)
     codes_decoded = property(lambda self: sum(s.codes_decoded for s in self.stores))
-    refs_decoded = property(lambda self: sum(s.refs_decoded for s in self.stores))
+    refs_count = property(lambda self: sum(s.refs_count for s in self.stores))
+    refs_decoded = property(lambda self: int(self.refs_count))
     evicted_refs = property(lambda self: sum(s.evicted_refs for s in self.stores))
     evicted_codes = property(lambda self: sum(s.evicted_codes for s in self.stores))
 
