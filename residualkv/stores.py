@@ -555,7 +555,14 @@ class ResidualStore:
             is_code = ~is_ref & ~in_win
         # flat indices into the B·S selected tokens, for index_select/index_copy_ (each boolean-mask index or
         # assignment would be a host-device sync of its own): one count for the host, then a stable sort
-        n_ref, n_code = torch.stack([is_ref.sum(), is_code.sum()]).tolist()
+        n_codes = 0 if self.codes is None else self.codes.codes.shape[1]
+        visible_refs = self.n_refs - self.hidden_refs
+        if self.ref_ord is not None and not check and ordinals.shape == (1, visible_refs + n_codes + self.n_win):
+            # SnapKV reading every token it kept (the cache's own distinct ordinals, as many as are visible):
+            # the counts are the store's, known on the host
+            n_ref, n_code = visible_refs, n_codes
+        else:
+            n_ref, n_code = torch.stack([is_ref.sum(), is_code.sum()]).tolist()
         order = torch.argsort(is_code.reshape(-1).to(torch.int8) - is_ref.reshape(-1).to(torch.int8), stable=True)
         plan = (is_ref, pos, is_code, order, n_ref, n_code)
         if shared:
