@@ -89,9 +89,10 @@ class HostSyncCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def tiny_setup(seed: int = 0):
+def tiny_setup(seed: int = 0, kernels: bool = False):
     """A tiny random Llama (4 layers; 0 and 2 full attention, so OmniKV has filter layers) and a random
-    codec for it, on the torch path."""
+    codec for it, on the torch path (`kernels`: the Triton path, in quantisation groups of 16, the smallest
+    the fused kernel takes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from residualkv.codec import ResidualCodec
@@ -104,7 +105,7 @@ def tiny_setup(seed: int = 0):
     cfg = ResidualKVConfig(full_attention_layers=(0, 2), stride=4, n_sink=2, k=2, group_size=8, kernel_impl="torch",
                            full_group_size=16, full_window=16, select_budget=16, n_recent=4, snapkv_window=8)
     codec = ResidualCodec.for_model(model.config, cfg, d_c=16, d_ff=32, seed=seed)
-    return model, codec, cfg
+    return model, codec, cfg.replace(kernel_impl="triton", group_size=16) if kernels else cfg
 
 
 METHODS = {  # name -> ResidualKVConfig changes (None: OmniKV on the uncompressed cache)
@@ -164,9 +165,9 @@ def main(argv=None) -> int:
                     "run it under TRITON_INTERPRET=1, slow: use the tiny model) in place of the torch path")
     ap.add_argument("--json", type=Path, help="write {method: {per_step, by_line}} here")
     a = ap.parse_args(argv)
-    model, codec, cfg = backbone_setup(a.backbone) if a.backbone else tiny_setup()
-    if a.kernels:  # the fused kernel takes quantisation groups of 16 and up (the tiny model's are 8)
-        cfg = cfg.replace(kernel_impl="triton", **({} if a.backbone else {"group_size": 16}))
+    model, codec, cfg = backbone_setup(a.backbone) if a.backbone else tiny_setup(kernels=a.kernels)
+    if a.kernels:
+        cfg = cfg.replace(kernel_impl="triton")
     report = {}
     for method in a.methods.split(","):
         if method not in METHODS:

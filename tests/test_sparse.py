@@ -692,10 +692,8 @@ def test_decode_steps_on_the_kernel_path_ask_only_for_each_selections_size(metho
     holds, and a SnapKV read (every token the row kept, counts the store knows) asks nothing. Batch 2."""
     from benchmarks.host_syncs import count_decode, tiny_setup
 
-    model, codec, cfg = tiny_setup()
-    cfg = cfg.replace(kernel_impl="triton", group_size=16)  # the fused kernel takes groups of 16 and up
     steps, batch = 4, 2
-    counter = count_decode(model, codec, cfg, method, context=300, steps=steps, batch=batch)
+    counter = count_decode(*tiny_setup(kernels=True), method, context=300, steps=steps, batch=batch)
     assert counter.total <= KERNEL_HOST_SYNC_BOUNDS[method] * steps, counter.where.most_common()
     assert not any(what == "nonzero" or "stores.py" in here and what == "_local_scalar_dense"
                    for what, here in counter.where), counter.where.most_common()
