@@ -12,7 +12,7 @@ import hashlib
 import json
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .config import InputError
 
@@ -32,8 +32,11 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
                 raise InputError(f"{path}:{n} is not valid JSON ({error.msg}); write one JSON object per line") from None
 
 
-def offline_documents(min_chars: int = 2000) -> Iterator[tuple[str, str]]:
-    """(doc_id, text) pairs in a fixed order."""
+def offline_documents(min_chars: int = 2000,
+                      text_of: Callable[[Path], str] | None = None) -> Iterator[tuple[str, str]]:
+    """(doc_id, text) pairs in a fixed order. `text_of` reads a stdlib module (default: its docstrings);
+    a corpus built with another reader keeps these document ids, hence the same train / held-out split."""
+    text_of = text_of or module_docstrings
     import pydoc_data.topics
 
     for name in sorted(pydoc_data.topics.topics):
@@ -44,7 +47,7 @@ def offline_documents(min_chars: int = 2000) -> Iterator[tuple[str, str]]:
     for path in sorted(stdlib.rglob("*.py")):
         if SKIP_DIRS & set(path.relative_to(stdlib).parts):
             continue
-        text = module_docstrings(path)
+        text = text_of(path)
         if len(text) >= min_chars:
             yield f"stdlib:{path.relative_to(stdlib).as_posix()}", text
 

@@ -148,3 +148,15 @@ def test_a_pack_without_held_out_documents_is_reused(tmp_path):
     again = pack_documents(LocalSource(corpus), tok, 64, heldout_fraction=0.0, root=tmp_path / "packed")
     assert len(first.heldout) == len(again.heldout) == 0
     assert again.train["input_ids"] == first.train["input_ids"]
+
+
+def test_another_module_reader_keeps_the_offline_ids(tmp_path):
+    """A corpus read from the stdlib another way (benchmarks/stdlib_code_corpus.py reads whole files) keeps
+    the default corpus's document ids, so its train / held-out split is the same."""
+    from residualkv.data import offline_documents
+
+    default = {doc_id for doc_id, _ in offline_documents()}
+    marked = dict(offline_documents(text_of=lambda path: f"{path.name} " * 400))
+    assert default and default <= set(marked)
+    stdlib = {doc_id.removeprefix("stdlib:"): text for doc_id, text in marked.items() if doc_id.startswith("stdlib:")}
+    assert stdlib and all(text.startswith(path.rsplit("/", 1)[-1] + " ") for path, text in stdlib.items())
