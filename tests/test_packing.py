@@ -150,7 +150,7 @@ def test_a_pack_without_held_out_documents_is_reused(tmp_path):
     assert again.train["input_ids"] == first.train["input_ids"]
 
 
-def test_another_module_reader_keeps_the_offline_ids(tmp_path):
+def test_another_module_reader_keeps_the_offline_ids():
     """A corpus read from the stdlib another way (benchmarks/stdlib_code_corpus.py reads whole files) keeps
     the default corpus's document ids, so its train / held-out split is the same."""
     from residualkv.data import offline_documents
