@@ -866,6 +866,70 @@ def test_mean_difference_by_hand():
     assert one["difference"] == 0.5 and one["ci"] is None
 
 
+def _recipe_recs(scores: dict[str, tuple], nll: dict[str, tuple] | None = None) -> list[dict]:
+    """One task, one row per (method, sample); answer_nll where `nll` gives it."""
+    return [_sample_rec(m, f"t-{i}", "t", str(i), s, 0) | ({"answer_nll": nll[m][i]} if nll and m in nll else {})
+            for m, per in scores.items() for i, s in enumerate(per)]
+
+
+def test_compare_recipes_draws_the_runs_as_well_as_the_samples():
+    from residualkv.evaluation.harness import sample_key
+    from residualkv.evaluation.stats import compare_recipes
+
+    full = (1.0, 1.0, 1.0, 1.0)
+    # recipe B's two runs agree (each half right), then disagree (one all right, one all wrong): the same mean
+    agree = _recipe_recs({"full": full, "a1": full, "a2": full, "b1": (1, 1, 0, 0), "b2": (1, 1, 0, 0)},
+                         nll={"a1": (1, 1, 1, 1), "a2": (1, 1, 1, 1), "b1": (2, 2, 2, 2), "b2": (2, 2, 2, 2)})
+    split = _recipe_recs({"full": full, "a1": full, "a2": full, "b1": full, "b2": (0, 0, 0, 0)},
+                         nll={"a1": (1, 1, 1, 1), "a2": (1, 1, 1, 1), "b1": (1, 1, 1, 1), "b2": (3, 3, 3, 3)})
+    c = compare_recipes(agree, ["a1", "a2"], ["b1", "b2"], "full", sample_key)
+    d = compare_recipes(split, ["a1", "a2"], ["b1", "b2"], "full", sample_key)
+    assert c["n_samples"] == d["n_samples"] == 4
+    assert c["difference"] == d["difference"] == pytest.approx(0.5)
+    assert c["rel_runs"] == {"a1": 1.0, "a2": 1.0, "b1": 0.5, "b2": 0.5} and d["rel_runs"]["b2"] == 0.0
+    # split: every sample answers alike within a run, so only the run draw moves it: b's mean is 1 (both
+    # draws b1, 1/4), 0 (both b2, 1/4) or 1/2 -> a ahead in 3/4 of draws, tied (counted half) in 1/4
+    assert d["ci"] == [0.0, 1.0] and d["p_a_ahead"] == pytest.approx(0.875, abs=0.03)
+    assert 0.0 <= c["ci"][0] and c["ci"][1] <= 1.0 and c["p_a_ahead"] > d["p_a_ahead"]
+    # answer NLL: the same -1 nat on both, from agreeing runs (no spread at all) and from split ones
+    assert c["answer_nll_difference"] == d["answer_nll_difference"] == pytest.approx(-1.0)
+    assert c["answer_nll_ci"] == [-1.0, -1.0] and c["answer_nll_p_a_lower"] == 1.0
+    assert d["answer_nll_ci"] == [-2.0, 0.0] and d["answer_nll_runs"] == {"a1": 1.0, "a2": 1.0, "b1": 1.0, "b2": 3.0}
+    assert compare_recipes(split, ["a1", "a2"], ["b1", "b2"], "full", sample_key) == d  # fixed draws
+    with pytest.raises(ValueError, match="one recipe once"):
+        compare_recipes(split, ["a1", "b1"], ["b1", "b2"], "full", sample_key)
+
+
+def test_rkv_pool_compares_recipes_of_several_runs(tmp_path, capsys):
+    from residualkv.cli import main
+
+    full = (1.0, 1.0, 1.0, 1.0)
+    files = []
+    for name, scores in {"a1": full, "a2": (1, 1, 1, 0), "b1": (1, 1, 0, 0), "b2": (1, 0, 0, 0), "b3": (1, 1, 0, 0)}.items():
+        f = tmp_path / f"{name}_predictions.jsonl"  # each run evaluated as residualkv-standalone
+        recs = _recipe_recs({"full": full, "residualkv-standalone": scores},
+                            nll={"residualkv-standalone": tuple(2.0 - s for s in scores)})
+        f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        files.append(f"{f}:residualkv-standalone={name}")
+    out = tmp_path / "rows.json"
+    assert main(["pool", *files, "--recipe", "long=a1,a2", "--recipe", "short=b1,b2,b3",
+                 "--compare-recipes", "long,short", "--json", str(out)]) == 0
+    (c,) = json.loads((tmp_path / "rows_recipes.json").read_text())
+    assert (c["recipe_a"], c["recipe_b"], c["a"], c["b"]) == ("long", "short", ["a1", "a2"], ["b1", "b2", "b3"])
+    assert c["rel_a"] == pytest.approx(0.875) and c["rel_b"] == pytest.approx(5 / 12)
+    assert c["answer_nll_difference"] == pytest.approx(-(0.875 - 5 / 12))
+    printed = capsys.readouterr().out
+    assert "recipe long (2 runs) - short (3 runs) at 10 tokens, 4 shared samples: rel. score 0.875 - 0.417 = +0.458" in printed
+    assert "understates the training spread" in printed  # two runs a side
+    for bad, why in ((["--compare-recipes", "long,short"], "not named by --recipe"),
+                     (["--recipe", "long=a1,zz", "--compare-recipes", "long,long"], "no rows of method(s) ['zz']"),
+                     (["--recipe", "long=a1,a2", "--recipe", "short=a2,b1", "--compare-recipes", "long,short"],
+                      "share runs ['a2']"),
+                     (["--recipe", "long"], "write NAME=M1,M2")):
+        assert main(["pool", *files, *bad, "--json", str(out)]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_plot_zooms_the_kr_axis_onto_the_compressed_methods(tmp_path):
     from residualkv.evaluation.report import kr_axis, plot_score_vs_kr
 

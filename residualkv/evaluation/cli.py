@@ -94,13 +94,68 @@ def register(subparsers) -> None:
                    help="rel_score of A minus B on the samples both ran, with a paired bootstrap interval and the "
                         "share of resamples where A is ahead, per context length (repeatable; written to "
                         "<OUT stem>_compare.json)")
+    p.add_argument("--recipe", action="append", default=[], metavar="NAME=M1,M2,...",
+                   help="name the methods that are training runs of one recipe (repeatable), for --compare-recipes")
+    p.add_argument("--compare-recipes", action="append", default=[], metavar="A,B",
+                   help="recipe A's mean over its runs minus recipe B's, in rel_score and answer NLL, with intervals "
+                        "that draw the samples and each recipe's runs (repeatable; written to <OUT stem>_recipes.json)")
     p.set_defaults(func=cmd_pool)
+
+
+def _recipes(args, records) -> list[tuple[str, str, list[str], list[str]]]:
+    """--recipe and --compare-recipes checked against the pooled records: [(A, B, runs of A, runs of B)]."""
+    recipes: dict[str, list[str]] = {}
+    for spec in args.recipe:
+        name, _, methods = spec.partition("=")
+        runs = [m.strip() for m in methods.split(",") if m.strip()]
+        if not name.strip() or not runs:
+            raise InputError(f"--recipe {spec!r}: write NAME=M1,M2,... (the methods that are runs of recipe NAME)")
+        if name.strip() in recipes:
+            raise InputError(f"--recipe {name.strip()!r} is given twice: name each recipe once")
+        missing = [m for m in runs if not any(r["method"] == m for r in records)]
+        if missing:
+            raise InputError(f"--recipe {spec!r}: no rows of method(s) {missing} in these runs (name a run with "
+                             "FILE:residualkv-standalone=RUN)")
+        recipes[name.strip()] = runs
+    pairs = []
+    for spec in args.compare_recipes:
+        names = [m.strip() for m in spec.split(",")]
+        if len(names) != 2 or not all(names):
+            raise InputError(f"--compare-recipes {spec!r}: give two recipe names, A,B")
+        unknown = [n for n in names if n not in recipes]
+        if unknown:
+            raise InputError(f"--compare-recipes {spec!r}: recipe(s) {unknown} not named by --recipe NAME=M1,M2,...")
+        if set(recipes[names[0]]) & set(recipes[names[1]]):
+            raise InputError(f"--compare-recipes {spec!r}: the two recipes share runs "
+                             f"{sorted(set(recipes[names[0]]) & set(recipes[names[1]]))}")
+        pairs.append((names[0], names[1], recipes[names[0]], recipes[names[1]]))
+    return pairs
+
+
+def _print_recipe_comparison(a: str, b: str, c: dict) -> None:
+    L = c["context_len"]
+    if c["difference"] is None:
+        print(f"recipe {a} - {b} at {L} tokens: too few shared samples (at least 2 per task the full cache scores on)")
+    else:
+        runs = ", ".join(f"{m} {v:.3f}" for m, v in c["rel_runs"].items())
+        print(f"recipe {a} ({len(c['a'])} runs) - {b} ({len(c['b'])} runs) at {L} tokens, {c['n_samples']} shared "
+              f"samples: rel. score {c['rel_a']:.3f} - {c['rel_b']:.3f} = {c['difference']:+.3f} (95% CI "
+              f"{c['ci'][0]:+.3f} .. {c['ci'][1]:+.3f}, samples and runs drawn); {a} ahead in {c['p_a_ahead']:.0%} "
+              f"of resamples; runs: {runs}")
+    if c["answer_nll_difference"] is not None:
+        ci = ("" if c["answer_nll_ci"] is None else
+              f" (95% CI {c['answer_nll_ci'][0]:+.3f} .. {c['answer_nll_ci'][1]:+.3f})")
+        runs = ", ".join(f"{m} {v:.3f}" for m, v in c["answer_nll_runs"].items())
+        print(f"  answer NLL, recipe {a} - {b}, {c['answer_nll_samples']} shared samples: "
+              f"{c['answer_nll_difference']:+.3f} nats/token{ci}; runs: {runs}")
+    if min(len(c["a"]), len(c["b"])) < 3:
+        print("  (a recipe with fewer than 3 runs: the run draw understates the training spread; see the runs)")
 
 
 def cmd_pool(args) -> int:
     import json
 
-    from .harness import REFERENCE, compare_by_length, pool_records, pooled_rows
+    from .harness import REFERENCE, compare_by_length, compare_recipes_by_length, pool_records, pooled_rows
     from .report import markdown_table, read_predictions, write_outputs
 
     runs = []
@@ -138,6 +193,7 @@ def cmd_pool(args) -> int:
         if missing:
             raise InputError(f"--compare {spec!r}: no rows of method(s) {missing} in these runs")
         pairs.append(names)
+    recipe_pairs = _recipes(args, records)
     rows = pooled_rows(records)
     sources = [str(p) for p in args.predictions]
     for r in rows:
@@ -164,6 +220,13 @@ def cmd_pool(args) -> int:
                     print(f"  answer NLL, {a} - {b}, {c['answer_nll_samples']} shared samples: "
                           f"{c['answer_nll_difference']:+.3f} nats/token{ci}")
         (json_path.parent / f"{json_path.stem}_compare.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    if recipe_pairs:
+        out = []
+        for a, b, runs_a, runs_b in recipe_pairs:
+            for c in compare_recipes_by_length(records, runs_a, runs_b):
+                out.append({"recipe_a": a, "recipe_b": b, **c})
+                _print_recipe_comparison(a, b, c)
+        (json_path.parent / f"{json_path.stem}_recipes.json").write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     print(f"[rkv pool] {len(records)} samples from {len(runs)} runs -> {json_path} (+ .csv, .md, plot, predictions)",
           file=sys.stderr)
     return 0

@@ -476,6 +476,18 @@ def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list
     return out
 
 
+def compare_recipes_by_length(records: Sequence[dict[str, Any]], runs_a: Sequence[str], runs_b: Sequence[str]
+                              ) -> list[dict[str, Any]]:
+    """stats.compare_recipes (each recipe: several training runs, each a method) at each context length."""
+    from .stats import compare_recipes
+
+    out = []
+    for L in dict.fromkeys(r.get("context_len") for r in records):
+        recs = [r for r in records if r.get("context_len") == L]
+        out.append({"context_len": L, **compare_recipes(recs, runs_a, runs_b, REFERENCE, sample_key)})
+    return out
+
+
 def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The per-sample records of several runs (predictions files) as one run, for scores over more samples
     than one run holds: a sample that several runs share (the full cache's rows of jobs run side by side on

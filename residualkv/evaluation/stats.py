@@ -15,6 +15,12 @@ counts has at least two.
 
 The same resampling serves a per-sample number that needs no reference to be read, such as the answer's
 teacher-forced NLL (`mean_difference`): the mean over tasks of the paired per-task mean differences.
+
+Two training recipes are compared through several training runs of each (`compare_recipes`): a recipe's figure
+is the mean of its runs', and each resample draws the samples as above and, independently, each recipe's runs
+with replacement, so the interval holds the run-to-run spread as well as the prompts'. Drawing k runs from k
+understates their spread by a factor (k - 1) / k in variance (half with two runs): read an interval from two
+runs a side as a lower bound on the uncertainty, and the per-run figures beside it.
 """
 
 from __future__ import annotations
@@ -122,3 +128,65 @@ def mean_difference(records: Sequence[dict[str, Any]], a: str, b: str, key: Call
     return {"a": a, "b": b, "field": field, "n_samples": n, "difference": float(diff[0]),
             "ci": _interval(boot, level) if ok else None, "level": level,
             "p_a_lower": float((boot < 0).mean() + 0.5 * (boot == 0).mean()) if ok else None}
+
+
+def _per_method_draws(table: dict[str, np.ndarray], n_methods: int, n_boot: int, seed: int,
+                      rel_ref_col: int | None) -> np.ndarray | None:
+    """[n_boot + 1, n_methods]: each method's rel_score (against column rel_ref_col) or, with None, its mean over
+    tasks of the per-task means, observed (row 0) and on each resample of the samples."""
+    if rel_ref_col is None:
+        if not table:
+            return None
+        means = _resampled_task_means(table, n_boot, seed)
+        return sum(m[:, :n_methods] for m in means.values()) / len(means)
+    signal = _counted_tasks(table, rel_ref_col)
+    if signal is None:
+        return None
+    means = _resampled_task_means(table, n_boot, seed)
+    return np.stack([_ratios(means, signal, c, rel_ref_col) for c in range(n_methods)], axis=1)
+
+
+def compare_recipes(records: Sequence[dict[str, Any]], runs_a: Sequence[str], runs_b: Sequence[str], reference: str,
+                    key: Callable[[dict], tuple], field: str = "answer_nll", level: float = LEVEL,
+                    n_boot: int = N_BOOT, seed: int = 0) -> dict[str, Any]:
+    """Recipe A (the mean of its runs `runs_a`, each a method name) minus recipe B, in rel_score and in the mean
+    of a per-sample `field`, on the samples every run and the reference ran; intervals from drawing the samples
+    (per task) and each recipe's runs (with replacement) on every resample (see the module's note)."""
+    runs = [*runs_a, *runs_b]
+    if len(set(runs)) != len(runs):
+        raise ValueError(f"a run may belong to one recipe once: {list(runs_a)} and {list(runs_b)}")
+    ka = len(runs_a)
+    rng = np.random.default_rng(seed + 1)  # the run draws, apart from the sample draws
+    pick_a = rng.integers(0, ka, size=(n_boot, ka))
+    pick_b = ka + rng.integers(0, len(runs_b), size=(n_boot, len(runs_b)))
+
+    def recipe_diff(draws: np.ndarray) -> tuple[float, np.ndarray]:
+        boot = draws[1:]
+        a = np.take_along_axis(boot, pick_a, axis=1).mean(1)
+        b = np.take_along_axis(boot, pick_b, axis=1).mean(1)
+        return float(draws[0, :ka].mean() - draws[0, ka:].mean()), a - b
+
+    out: dict[str, Any] = {"a": list(runs_a), "b": list(runs_b), "level": level}
+    table = _paired_scores(records, [*runs, reference], key)
+    out["n_samples"] = sum(len(x) for x in table.values())
+    rel = _per_method_draws(table, len(runs), n_boot, seed, rel_ref_col=len(runs))
+    if rel is None:
+        out.update({"rel_runs": None, "difference": None, "ci": None, "p_a_ahead": None})
+    else:
+        diff, boot = recipe_diff(rel)
+        boot = boot[~np.isnan(boot)]
+        out.update({"rel_runs": {m: float(v) for m, v in zip(runs, rel[0])},
+                    "rel_a": float(rel[0, :ka].mean()), "rel_b": float(rel[0, ka:].mean()), "difference": diff,
+                    "ci": _interval(boot, level), "p_a_ahead": float((boot > 0).mean() + 0.5 * (boot == 0).mean())})
+    nll_table = _paired_scores(records, runs, key, field)
+    out[f"{field}_samples"] = sum(len(x) for x in nll_table.values())
+    nll = _per_method_draws(nll_table, len(runs), n_boot, seed, rel_ref_col=None)
+    ok = nll is not None and min(len(x) for x in nll_table.values()) >= 2
+    if nll is None:
+        out.update({f"{field}_runs": None, f"{field}_difference": None, f"{field}_ci": None, f"{field}_p_a_lower": None})
+    else:
+        diff, boot = recipe_diff(nll)
+        out.update({f"{field}_runs": {m: float(v) for m, v in zip(runs, nll[0])}, f"{field}_difference": diff,
+                    f"{field}_ci": _interval(boot, level) if ok else None,
+                    f"{field}_p_a_lower": float((boot < 0).mean() + 0.5 * (boot == 0).mean()) if ok else None})
+    return out
