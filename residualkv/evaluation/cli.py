@@ -138,7 +138,8 @@ def _print_recipe_comparison(a: str, b: str, c: dict) -> None:
         print(f"recipe {a} - {b} at {L} tokens: too few shared samples (at least 2 per task the full cache scores on)")
     else:
         runs = ", ".join(f"{m} {v:.3f}" for m, v in c["rel_runs"].items())
-        print(f"recipe {a} ({len(c['a'])} runs) - {b} ({len(c['b'])} runs) at {L} tokens, {c['n_samples']} shared "
+        n_a, n_b = (f"{len(c[k])} run{'s' * (len(c[k]) > 1)}" for k in "ab")
+        print(f"recipe {a} ({n_a}) - {b} ({n_b}) at {L} tokens, {c['n_samples']} shared "
               f"samples: rel. score {c['rel_a']:.3f} - {c['rel_b']:.3f} = {c['difference']:+.3f} (95% CI "
               f"{c['ci'][0]:+.3f} .. {c['ci'][1]:+.3f}, samples and runs drawn); {a} ahead in {c['p_a_ahead']:.0%} "
               f"of resamples; runs: {runs}")
