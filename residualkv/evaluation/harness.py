@@ -452,7 +452,7 @@ def _reference_index(reference: Sequence[dict[str, Any]] | None, seed: int) -> d
             out[key] = {**r, "seed": seed, "reused": True}
     if unhashed:
         print(f"[rkv eval] {unhashed} earlier full-cache records carry no inputs_sha (written before 2026-12-06): "
-              "their samples are run again", file=sys.stderr)
+              "not reused (their samples run again unless another --full-from file holds them with the hash)", file=sys.stderr)
     return out
 
 
