@@ -930,6 +930,41 @@ def test_rkv_pool_compares_recipes_of_several_runs(tmp_path, capsys):
         assert why in capsys.readouterr().err
 
 
+def test_answer_nll_pairs_only_records_that_scored_the_same_gold_answer(tmp_path):
+    """vt's and kv retrieval's gold answers changed on 2026-12-06: an older record of those tasks (no inputs_sha)
+    never pairs with a newer one, in a comparison or against the full cache; other tasks pair across the date."""
+    from residualkv.cli import main
+    from residualkv.evaluation.harness import answer_key, pool_records
+    from residualkv.evaluation.samples import gold_basis
+    from residualkv.evaluation.stats import mean_difference
+
+    def rec(m, task, nll, new):
+        return _sample_rec(m, f"{task}-0", task, "7", 1.0, 0) | {"answer_nll": nll} | ({"inputs_sha": "ab"} if new else {})
+
+    assert gold_basis(rec("x", "vt", 1.0, False)) != gold_basis(rec("x", "vt", 1.0, True))
+    assert gold_basis(rec("x", "niah_single", 1.0, False)) == gold_basis(rec("x", "niah_single", 1.0, True))
+    old_run = [rec("full", t, 0.5, False) for t in ("vt", "niah_single")] + [rec("old", "vt", 1.0, False),
+                                                                           rec("old", "niah_single", 1.0, False)]
+    new_run = [rec("full", t, 0.4, True) for t in ("vt", "niah_single")] + [rec("new", "vt", 3.0, True),
+                                                                          rec("new", "niah_single", 2.0, True)]
+    d = mean_difference(old_run + new_run, "new", "old", answer_key)
+    assert d["n_samples"] == 1 and d["difference"] == pytest.approx(1.0)  # niah alone: vt's two golds differ
+    # pooled, a sample's full-cache record with inputs_sha wins (same answer), so the newer codec's vt pairs
+    pooled = pool_records([old_run, new_run])
+    assert {r["task"]: r.get("inputs_sha") for r in pooled if r["method"] == "full"} == {"vt": "ab", "niah_single": "ab"}
+    files = []
+    for name, run in (("old", old_run), ("new", new_run)):
+        files.append(tmp_path / f"{name}_predictions.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in run))
+    out = tmp_path / "rows.json"
+    assert main(["pool", *map(str, files), "--compare", "new,old", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    assert rows["new"]["answer_nll_delta"] == pytest.approx(((3.0 - 0.4) + (2.0 - 0.4)) / 2)
+    assert rows["old"]["answer_nll_delta"] == pytest.approx(1.0 - 0.4)  # its vt has no full row on its gold
+    (c,) = json.loads((tmp_path / "rows_compare.json").read_text())
+    assert c["answer_nll_samples"] == 1 and c["answer_nll_difference"] == pytest.approx(1.0)
+
+
 def test_plot_zooms_the_kr_axis_onto_the_compressed_methods(tmp_path):
     from residualkv.evaluation.report import kr_axis, plot_score_vs_kr
 

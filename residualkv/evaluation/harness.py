@@ -52,7 +52,7 @@ from ..config import InputError
 from ..snapkv import SnapKVCache, snapkv_report
 from .perplexity import cache_perplexity, heldout_ids
 from .report import REFERENCE
-from .samples import Sample, encode_prompt, generation_budget, gold_answer_ids
+from .samples import Sample, encode_prompt, generation_budget, gold_answer_ids, gold_basis
 from .scoring import score as score_prediction
 from .stats import mean_difference, rel_score_interval
 
@@ -461,6 +461,13 @@ def sample_key(record: dict[str, Any]) -> tuple:
     return record.get("context_len"), record["id"], tuple(record["answers"]), record.get("seed")
 
 
+def answer_key(record: dict[str, Any]) -> tuple:
+    """sample_key plus the gold answer its answer_nll scored (samples.gold_basis): two records' answer NLLs
+    pair only where both scored the same answer, so rows from before 2026-12-06 never pair with newer ones
+    on the tasks whose gold answer changed that day."""
+    return (*sample_key(record), gold_basis(record))
+
+
 def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
     """stats.compare of methods a and b (relative to the full cache) at each context length the records hold,
     with the difference of their answer NLL (stats.mean_difference) beside it."""
@@ -469,7 +476,7 @@ def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list
     out = []
     for L in dict.fromkeys(r.get("context_len") for r in records):
         recs = [r for r in records if r.get("context_len") == L]
-        nll = mean_difference(recs, a, b, sample_key)
+        nll = mean_difference(recs, a, b, answer_key)
         out.append({"context_len": L, **compare(recs, a, b, REFERENCE, sample_key),
                     "answer_nll_difference": nll["difference"], "answer_nll_ci": nll["ci"],
                     "answer_nll_p_a_lower": nll["p_a_lower"], "answer_nll_samples": nll["n_samples"]})
@@ -484,7 +491,7 @@ def compare_recipes_by_length(records: Sequence[dict[str, Any]], runs_a: Sequenc
     out = []
     for L in dict.fromkeys(r.get("context_len") for r in records):
         recs = [r for r in records if r.get("context_len") == L]
-        out.append({"context_len": L, **compare_recipes(recs, runs_a, runs_b, REFERENCE, sample_key)})
+        out.append({"context_len": L, **compare_recipes(recs, runs_a, runs_b, REFERENCE, sample_key, nll_key=answer_key)})
     return out
 
 
@@ -494,7 +501,8 @@ def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any
     the same seed) counts once (a sample: `sample_key`, per method). Refuses a sample that two runs
     answered differently under one method name (two codecs evaluated as `residualkv`): pooling them would
     mix methods. Records written before predictions carried a seed take the seed of the record with
-    the same id and answers, so they pool with newer runs of the same samples."""
+    the same id and answers, so they pool with newer runs of the same samples; of two records of one sample,
+    the one with inputs_sha is kept (its answer NLL pairs with today's rows)."""
     seeds: dict[tuple, set] = defaultdict(set)
     for run in runs:
         for r in run:
@@ -512,6 +520,8 @@ def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any
                 raise ValueError(f"sample {r['id']} (context {r.get('context_len')}) has two different answers under "
                                  f"method {r['method']!r}: {old['prediction']!r} and {r['prediction']!r}; these runs "
                                  "evaluated different things under one name, pool them separately")
+            if old is not r and r.get("inputs_sha") and not old.get("inputs_sha"):
+                pooled[key] = r  # the same answer, and an answer_nll on the current gold answer (answer_key)
     return list(pooled.values())
 
 
@@ -537,7 +547,7 @@ def _answer_nll_fields(recs: list[dict[str, Any]], m: str, task_names: list[str]
         if r["method"] == m and r.get("answer_nll") is not None:
             by_task[r["task"]].append(r["answer_nll"])
     nll = _mean([sum(v) / len(v) for t in task_names if (v := by_task.get(t))])
-    delta = mean_difference(recs, m, REFERENCE, sample_key) if nll is not None and m != REFERENCE else None
+    delta = mean_difference(recs, m, REFERENCE, answer_key) if nll is not None and m != REFERENCE else None
     return {"answer_nll": nll, "answer_nll_delta": 0.0 if m == REFERENCE and nll is not None else
             (delta or {}).get("difference"), "answer_nll_delta_ci": (delta or {}).get("ci")}
 

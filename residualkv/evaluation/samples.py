@@ -148,6 +148,18 @@ def gold_answer_ids(tokenizer, sample: Sample) -> list[int]:
     return tokenizer(sep + text, add_special_tokens=False).input_ids
 
 
+# The gold answer above changed on 2026-12-06 for two synthetic tasks: no space after kv retrieval's opening
+# quote (fe5befe), variable tracking's names space-separated (15c2bcf). Records written since carry inputs_sha
+# (751fbcf, the same hour, before any result of that day); older records of these tasks scored another answer.
+GOLD_CHANGED_TASKS = frozenset({"kv_retrieval", "vt"})
+
+
+def gold_basis(record: dict[str, Any]) -> str:
+    """Which gold answer a predictions record's answer_nll scored: answer NLLs pair only within one basis."""
+    legacy = record.get("task") in GOLD_CHANGED_TASKS and not record.get("inputs_sha")
+    return "before 2026-12-06" if legacy else "current"
+
+
 def generation_budget(tokenizer, sample: Sample, floor: int | None = None) -> int:
     """New tokens to allow: the sample's max_new_tokens, never less; when the sample did not set one,
     raised to fit its longest answer (plus a little room) so a correct answer is never cut off."""

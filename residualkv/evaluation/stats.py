@@ -148,10 +148,12 @@ def _per_method_draws(table: dict[str, np.ndarray], n_methods: int, n_boot: int,
 
 def compare_recipes(records: Sequence[dict[str, Any]], runs_a: Sequence[str], runs_b: Sequence[str], reference: str,
                     key: Callable[[dict], tuple], field: str = "answer_nll", level: float = LEVEL,
-                    n_boot: int = N_BOOT, seed: int = 0) -> dict[str, Any]:
+                    n_boot: int = N_BOOT, seed: int = 0, nll_key: Callable[[dict], tuple] | None = None
+                    ) -> dict[str, Any]:
     """Recipe A (the mean of its runs `runs_a`, each a method name) minus recipe B, in rel_score and in the mean
     of a per-sample `field`, on the samples every run and the reference ran; intervals from drawing the samples
-    (per task) and each recipe's runs (with replacement) on every resample (see the module's note)."""
+    (per task) and each recipe's runs (with replacement) on every resample (see the module's note). `nll_key`
+    pairs the `field` values (default: `key`)."""
     runs = [*runs_a, *runs_b]
     if len(set(runs)) != len(runs):
         raise ValueError(f"a run may belong to one recipe once: {list(runs_a)} and {list(runs_b)}")
@@ -178,7 +180,7 @@ def compare_recipes(records: Sequence[dict[str, Any]], runs_a: Sequence[str], ru
         out.update({"rel_runs": {m: float(v) for m, v in zip(runs, rel[0])},
                     "rel_a": float(rel[0, :ka].mean()), "rel_b": float(rel[0, ka:].mean()), "difference": diff,
                     "ci": _interval(boot, level), "p_a_ahead": float((boot > 0).mean() + 0.5 * (boot == 0).mean())})
-    nll_table = _paired_scores(records, runs, key, field)
+    nll_table = _paired_scores(records, runs, nll_key or key, field)
     out[f"{field}_samples"] = sum(len(x) for x in nll_table.values())
     nll = _per_method_draws(nll_table, len(runs), n_boot, seed, rel_ref_col=None)
     ok = nll is not None and min(len(x) for x in nll_table.values()) >= 2
