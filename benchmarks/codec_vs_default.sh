@@ -4,16 +4,17 @@
 # 32 samples) and the seed-1 subset at 4K that the full cache answers (10 samples), ResidualKV standalone
 # only; the full cache's rows are reused from the committed runs, so only the codec's rows are computed.
 # Then `rkv pool` compares it with the default codec's rows on the same samples (string match and the
-# paired answer NLL, 95% intervals).
+# paired answer NLL, 95% intervals). The default's rows predate the 2026-12-06 change of vt's and kv
+# retrieval's gold answers, so the answer NLL pairs leave those two tasks out (24 of 32 samples at 2K, 8 of 10 at 4K).
 #
 #   benchmarks/codec_vs_default.sh CODEC_DIR NAME [OUT_DIR]
 #
-# Two one-thread lanes side by side on the 2 cores, about 8 minutes (12 with ALL_4K). Writes OUT_DIR (default
+# Two one-thread lanes side by side on the 2 cores, about 9.5 minutes (14.6 with ALL_4K, both measured 2026-12-06). Writes OUT_DIR (default
 # benchmarks/results/codecs/NAME)/NAME_{2k_seed0,2k_seed1_a,2k_seed1_b,4k_seed1}.* and NAME_{2k,4k}_pooled.*
 #
 # ALL_4K=1 also runs the other 4K sample sets of "Retraining the default codec" (seed 0: 8 samples, seed 2:
-# 16), about 14 minutes more, so that 4K compares over 34 samples: one run of a codec at 4K sits up to
-# ~0.3 nats/token from another run of its recipe, and 10 samples rank nothing. Adds NAME_4k_seed{0,2_a,2_b}.*
+# 16), so that 4K compares over 34 samples: one run of a recipe at 4K can sit 0.1-0.3 nats/token from
+# another, and 10 samples rank little. Adds NAME_4k_seed{0,2_a,2_b}.*
 # and NAME_4k_34_pooled.* (against the retrained default's rows, which carry string match only).
 set -euo pipefail
 CODEC=${1:?usage: benchmarks/codec_vs_default.sh CODEC_DIR NAME [OUT_DIR]}
