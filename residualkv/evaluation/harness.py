@@ -54,7 +54,7 @@ from .perplexity import cache_perplexity, heldout_ids
 from .report import REFERENCE
 from .samples import Sample, encode_prompt, generation_budget, gold_answer_ids, gold_basis
 from .scoring import score as score_prediction
-from .stats import mean_difference, rel_score_interval
+from .stats import compare, compare_recipes, mean_difference, rel_score_interval
 
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix, as VARIANTS_HELP tells the CLIs' users: -rNN (select_ratio), then on
@@ -468,14 +468,17 @@ def answer_key(record: dict[str, Any]) -> tuple:
     return (*sample_key(record), gold_basis(record))
 
 
+def _by_length(records: Sequence[dict[str, Any]]):
+    """(context length, its records) for each length the records hold, in their order."""
+    for L in dict.fromkeys(r.get("context_len") for r in records):
+        yield L, [r for r in records if r.get("context_len") == L]
+
+
 def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
     """stats.compare of methods a and b (relative to the full cache) at each context length the records hold,
     with the difference of their answer NLL (stats.mean_difference) beside it."""
-    from .stats import compare
-
     out = []
-    for L in dict.fromkeys(r.get("context_len") for r in records):
-        recs = [r for r in records if r.get("context_len") == L]
+    for L, recs in _by_length(records):
         nll = mean_difference(recs, a, b, answer_key)
         out.append({"context_len": L, **compare(recs, a, b, REFERENCE, sample_key),
                     "answer_nll_difference": nll["difference"], "answer_nll_ci": nll["ci"],
@@ -486,13 +489,8 @@ def compare_by_length(records: Sequence[dict[str, Any]], a: str, b: str) -> list
 def compare_recipes_by_length(records: Sequence[dict[str, Any]], runs_a: Sequence[str], runs_b: Sequence[str]
                               ) -> list[dict[str, Any]]:
     """stats.compare_recipes (each recipe: several training runs, each a method) at each context length."""
-    from .stats import compare_recipes
-
-    out = []
-    for L in dict.fromkeys(r.get("context_len") for r in records):
-        recs = [r for r in records if r.get("context_len") == L]
-        out.append({"context_len": L, **compare_recipes(recs, runs_a, runs_b, REFERENCE, sample_key, nll_key=answer_key)})
-    return out
+    return [{"context_len": L, **compare_recipes(recs, runs_a, runs_b, REFERENCE, sample_key, nll_key=answer_key)}
+            for L, recs in _by_length(records)]
 
 
 def pool_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
