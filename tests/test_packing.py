@@ -1,6 +1,7 @@
 """Data packing: documents -> EOS-separated token stream -> exact seq_len blocks, split by document."""
 
 import json
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -160,3 +161,26 @@ def test_another_module_reader_keeps_the_offline_ids():
     assert default and default <= set(marked)
     stdlib = {doc_id.removeprefix("stdlib:"): text for doc_id, text in marked.items() if doc_id.startswith("stdlib:")}
     assert stdlib and all(text.startswith(path.rsplit("/", 1)[-1] + " ") for path, text in stdlib.items())
+
+
+def test_the_package_docs_corpus_adds_training_text_only(tmp_path):
+    """benchmarks/package_docs_corpus.py doubles the offline training text with installed packages'
+    docstrings: the offline documents come through unchanged under their ids, and every added document is
+    one the split trains on, so the held-out set (the haystacks' source) is the offline corpus's."""
+    import importlib.util
+
+    from residualkv.data import offline_documents
+
+    script = Path(__file__).parent.parent / "benchmarks" / "package_docs_corpus.py"
+    spec = importlib.util.spec_from_file_location("package_docs_corpus", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "corpus.jsonl"
+    assert module.main([str(out), "--ratio", "0.05"]) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    offline = list(offline_documents())
+    assert [(r["id"], r["text"]) for r in rows[: len(offline)]] == offline
+    added = rows[len(offline):]
+    assert added and all(r["id"].startswith("site:") and not is_heldout(r["id"]) for r in added)
+    budget = 0.05 * sum(len(t) for d, t in offline if not is_heldout(d))
+    assert sum(len(r["text"]) for r in added[:-1]) < budget <= sum(len(r["text"]) for r in added)
