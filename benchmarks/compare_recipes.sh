@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The training recipes of "Recipes compared over their training runs" (BENCHMARKS.md), each over all its runs:
-# 2048- against 1024-token blocks, and the 2048-token variants (bf16 over two epochs; bf16 over the offline corpus
-# plus packages' docstrings), at 2K (32 samples) and 4K (34), from the rows codec_vs_default.sh wrote
+# 2048- against 1024-token blocks, and the 2048-token variants (the same 179 steps in bf16; bf16 over two epochs;
+# bf16 over the offline corpus plus packages' docstrings), at 2K (32 samples) and 4K (34), from the rows codec_vs_default.sh wrote
 # for each run (ALL_4K=1 for the 4K ones). Only `rkv pool`: a few seconds, nothing is generated again.
 #
 #   benchmarks/compare_recipes.sh [OUT_DIR]
@@ -19,6 +19,7 @@ s=residualkv-standalone
 L2048=(L2048amd L2048s1 L2048s2)
 L2048BF=(L2048bf)  # bf16, planned from the time budget: 357 steps, 2 epochs (one run so far)
 L2048PKG=(L2048pkg)  # bf16, 357 steps over the offline corpus plus as much packages' docstrings: 1 epoch
+L2048BF179=(L2048bf179)  # the fp32 recipe's 179 steps in bf16 (data order seed 0, as L2048amd)
 L1024AMD_2K=(L1024r3 L1024s1r L1024s2r L1024t1)
 L1024AMD_4K=(L1024r3 L1024s1r L1024s2r)  # L1024t1 ran only the 10 seed-1 samples at 4K
 join() { local IFS=,; echo "$*"; }
@@ -32,24 +33,26 @@ runs() {  # runs CTX SETS NAME...: each run's prediction files, its method renam
 }
 mkdir -p "$OUT"
 
-files_2k=$(runs 2k "seed0 seed1_a seed1_b" "${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L1024AMD_2K[@]}")
+files_2k=$(runs 2k "seed0 seed1_a seed1_b" "${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}" "${L1024AMD_2K[@]}")
 # shellcheck disable=SC2086  # one file argument per line of $files_2k
 $RKV pool $A/groups_2k_seed0_a_predictions.jsonl:full,$s=default $A/groups_2k_seed1_{a,b}_predictions.jsonl:full,$s=default \
   $files_2k \
   --recipe "L2048=$(join "${L2048[@]}")" --recipe "L1024=default,$(join "${L1024AMD_2K[@]}")" \
   --recipe "L1024amd=$(join "${L1024AMD_2K[@]}")" --recipe "L2048bf=$(join "${L2048BF[@]}")" \
-  --recipe "L2048pkg=$(join "${L2048PKG[@]}")" \
+  --recipe "L2048pkg=$(join "${L2048PKG[@]}")" --recipe "L2048bf179=$(join "${L2048BF179[@]}")" \
   --compare-recipes L2048,L1024 --compare-recipes L2048,L1024amd --compare-recipes L2048bf,L2048 \
   --compare-recipes L2048pkg,L2048bf --compare-recipes L2048pkg,L2048 \
+  --compare-recipes L2048bf179,L2048 \
   --json "$OUT/recipes_2k.json"
 
-files_4k=$(runs 4k "seed0 seed1 seed2_a seed2_b" "${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L1024AMD_4K[@]}")
+files_4k=$(runs 4k "seed0 seed1 seed2_a seed2_b" "${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}" "${L1024AMD_4K[@]}")
 # shellcheck disable=SC2086
 $RKV pool $R/synthetic_4k_seed{0,1,2_a,2_b}_predictions.jsonl:full,$s=retrained \
   $files_4k \
   --recipe "L2048=$(join "${L2048[@]}")" --recipe "L1024amd=$(join "${L1024AMD_4K[@]}")" \
   --recipe "L1024=retrained,$(join "${L1024AMD_4K[@]}")" --recipe "L2048bf=$(join "${L2048BF[@]}")" \
-  --recipe "L2048pkg=$(join "${L2048PKG[@]}")" \
+  --recipe "L2048pkg=$(join "${L2048PKG[@]}")" --recipe "L2048bf179=$(join "${L2048BF179[@]}")" \
   --compare-recipes L2048,L1024amd --compare-recipes L2048,L1024 --compare-recipes L2048bf,L2048 \
   --compare-recipes L2048pkg,L2048bf --compare-recipes L2048pkg,L2048 \
+  --compare-recipes L2048bf179,L2048 \
   --json "$OUT/recipes_4k.json"
