@@ -33,26 +33,27 @@ runs() {  # runs CTX SETS NAME...: each run's prediction files, its method renam
 }
 mkdir -p "$OUT"
 
-files_2k=$(runs 2k "seed0 seed1_a seed1_b" "${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}" "${L1024AMD_2K[@]}")
+# The 2048-token recipe's variants, compared the same way at both lengths.
+L2048_ALL=("${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}")
+variants=(--recipe "L2048bf=$(join "${L2048BF[@]}")" --recipe "L2048pkg=$(join "${L2048PKG[@]}")"
+          --recipe "L2048bf179=$(join "${L2048BF179[@]}")"
+          --compare-recipes L2048bf,L2048 --compare-recipes L2048pkg,L2048bf --compare-recipes L2048pkg,L2048
+          --compare-recipes L2048bf179,L2048)
+
+files_2k=$(runs 2k "seed0 seed1_a seed1_b" "${L2048_ALL[@]}" "${L1024AMD_2K[@]}")
 # shellcheck disable=SC2086  # one file argument per line of $files_2k
 $RKV pool $A/groups_2k_seed0_a_predictions.jsonl:full,$s=default $A/groups_2k_seed1_{a,b}_predictions.jsonl:full,$s=default \
   $files_2k \
   --recipe "L2048=$(join "${L2048[@]}")" --recipe "L1024=default,$(join "${L1024AMD_2K[@]}")" \
-  --recipe "L1024amd=$(join "${L1024AMD_2K[@]}")" --recipe "L2048bf=$(join "${L2048BF[@]}")" \
-  --recipe "L2048pkg=$(join "${L2048PKG[@]}")" --recipe "L2048bf179=$(join "${L2048BF179[@]}")" \
-  --compare-recipes L2048,L1024 --compare-recipes L2048,L1024amd --compare-recipes L2048bf,L2048 \
-  --compare-recipes L2048pkg,L2048bf --compare-recipes L2048pkg,L2048 \
-  --compare-recipes L2048bf179,L2048 \
+  --recipe "L1024amd=$(join "${L1024AMD_2K[@]}")" \
+  --compare-recipes L2048,L1024 --compare-recipes L2048,L1024amd "${variants[@]}" \
   --json "$OUT/recipes_2k.json"
 
-files_4k=$(runs 4k "seed0 seed1 seed2_a seed2_b" "${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}" "${L1024AMD_4K[@]}")
+files_4k=$(runs 4k "seed0 seed1 seed2_a seed2_b" "${L2048_ALL[@]}" "${L1024AMD_4K[@]}")
 # shellcheck disable=SC2086
 $RKV pool $R/synthetic_4k_seed{0,1,2_a,2_b}_predictions.jsonl:full,$s=retrained \
   $files_4k \
   --recipe "L2048=$(join "${L2048[@]}")" --recipe "L1024amd=$(join "${L1024AMD_4K[@]}")" \
-  --recipe "L1024=retrained,$(join "${L1024AMD_4K[@]}")" --recipe "L2048bf=$(join "${L2048BF[@]}")" \
-  --recipe "L2048pkg=$(join "${L2048PKG[@]}")" --recipe "L2048bf179=$(join "${L2048BF179[@]}")" \
-  --compare-recipes L2048,L1024amd --compare-recipes L2048,L1024 --compare-recipes L2048bf,L2048 \
-  --compare-recipes L2048pkg,L2048bf --compare-recipes L2048pkg,L2048 \
-  --compare-recipes L2048bf179,L2048 \
+  --recipe "L1024=retrained,$(join "${L1024AMD_4K[@]}")" \
+  --compare-recipes L2048,L1024amd --compare-recipes L2048,L1024 "${variants[@]}" \
   --json "$OUT/recipes_4k.json"
