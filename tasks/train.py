@@ -112,6 +112,7 @@ def run_train(backbone_ref: str, packed: dict[str, Any], config: dict[str, Any],
     set_threads(config.get("torch_threads"))
     model, tokenizer, spec = load_backbone(backbone_ref)  # a private copy: training freezes/wraps it
     train_cfg = TrainConfig(**{k: v for k, v in config.items() if k not in PIPELINE_KEYS})  # bad settings fail here
+    config["bf16"] = train_cfg.bf16  # `auto` resolved: the run's key records the precision it trains in
     start = None
     if train_cfg.init == "codec":  # go on from a saved codec (a folder or models:/NAME@ALIAS)
         start = resolve_codec(config.get("init_from"), model, spec)

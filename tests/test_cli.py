@@ -40,6 +40,10 @@ def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_st
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(profile))
     _fails_cleanly(["run", "--profile", str(bad)], capsys, f"{bad}: train: invalid lr=-1.0")
+    profile["train"]["lr"], profile["train"]["bf16"] = 2e-4, "yes"
+    bad.write_text(yaml.safe_dump(profile))
+    _fails_cleanly(["run", "--profile", str(bad)], capsys, f"{bad}: train: invalid bf16='yes'", '"auto"')
+    del profile["train"]["bf16"]
 
     # evaluation options and promotion values are read after training: they are checked here too
     profile["train"]["lr"] = 2e-4
@@ -111,6 +115,7 @@ def test_invalid_training_settings_say_the_fix(tmp_path, capsys):
     (["train", "--stride", "0", "--steps", "1"], "--stride: needs at least 1 tokens, got 0"),  # was silently the default
     (["train", "--d-c", "-5", "--steps", "1"], "--d-c: needs at least 1 dimensions"),
     (["generate", "hi", "--max-new-tokens", "x"], "--max-new-tokens: expected an integer number of tokens, got 'x'"),
+    (["train", "--bf16", "yes", "--steps", "1"], "--bf16: 'yes': pass --bf16 alone (always bf16) or --bf16 auto"),
 ])
 def test_out_of_range_numbers_are_usage_errors(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

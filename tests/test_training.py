@@ -263,6 +263,18 @@ def test_bf16_warning_reads_the_cpus_bf16_units(monkeypatch, capsys, tmp_path, p
     assert ("emulates bf16" in capsys.readouterr().err) is not native
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_auto_trains_in_bf16_only_where_the_cpu_runs_it(monkeypatch, native):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = fast(steps=1, bf16="auto")
+    assert config.bf16 is native  # resolved once: the run's record, resume check and precision read a bool
+    assert fast(steps=1, bf16=True).bf16 is True and fast(steps=1).bf16 is False  # explicit settings stay
+    with pytest.raises(TrainError, match=r"invalid bf16='on'.*\"auto\""):
+        fast(steps=1, bf16="on")
+
+
 def test_time_budget_plans_the_schedule_and_stops_cleanly(tmp_path, packed):
     model = tiny_model()
     t0 = time.monotonic()

@@ -24,6 +24,12 @@ from .packing import pack_documents, resolve_source
 from .trainer import CHECKPOINTS, CODEC, INITS, LOSSES, READINGS, REC_REDUCTIONS, TrainConfig, train_codec
 
 
+def bf16_setting(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"{value!r}: pass --bf16 alone (always bf16) or --bf16 auto")
+    return value
+
+
 def register(subparsers) -> None:
     from ..cli import at_least
 
@@ -85,7 +91,9 @@ def register(subparsers) -> None:
     t.add_argument("--recall-span-len", type=int, default=24, help="tokens per recall span")
     t.add_argument("--out", default=None, help="run directory (default: <data>/codecs/<backbone>/<run-name>)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--bf16", action="store_true", help="bf16 autocast (accelerate mixed precision)")
+    t.add_argument("--bf16", nargs="?", const=True, default=False, type=bf16_setting, metavar="auto",
+                   help="bf16 autocast (accelerate mixed precision); `--bf16 auto` only where the GPU or CPU "
+                        "runs bf16 in hardware (AMX / AVX512-BF16), fp32 elsewhere")
     t.add_argument("--grad-checkpointing", action="store_true", help="recompute the backbone's MLPs in backward")
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--ckpt-every", type=int, default=50)

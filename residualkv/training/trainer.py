@@ -99,7 +99,7 @@ class TrainConfig:
     warmstart_blocks: int = 32
     fisher_alpha: float = 0.1  # fisher-pca: weight of the plain (unweighted) metric mixed into the Fisher
     value_weight: float = 1.0  # fisher-pca: how many times a value error counts against a key error
-    bf16: bool = False
+    bf16: bool | str = False  # "auto": where bf16 runs in hardware (resolve_bf16); a bool after __post_init__
     grad_checkpointing: bool = False
     seed: int = 0
     log_every: int = 10
@@ -132,6 +132,9 @@ class TrainConfig:
                "use at least one warm-start step and block")
         _check(0 <= self.fisher_alpha <= 1, "fisher_alpha", self.fisher_alpha, "use a weight in [0, 1] (default 0.1)")
         _check(self.value_weight > 0, "value_weight", self.value_weight, "use a positive weight (1: keys and values alike)")
+        _check(isinstance(self.bf16, bool) or self.bf16 == "auto", "bf16", self.bf16,
+               "use true, false or \"auto\" (bf16 where the GPU or CPU runs it in hardware)")
+        self.bf16 = resolve_bf16(self.bf16)
         _check(self.eval_blocks >= 0, "eval_blocks", self.eval_blocks, "use 0 or more held-out blocks")
         _check((self.init == "codec") == bool(self.init_from), "init_from", self.init_from,
                "init 'codec' goes on from a saved codec: give both init: codec and init_from: DIR_OR_URI, or neither")
@@ -254,6 +257,17 @@ def cpu_has_native_bf16() -> bool:
     privately; a torch without them answers False."""
     checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(bool(check()) for check in checks if check is not None)
+
+
+def resolve_bf16(bf16: bool | str) -> bool:
+    """`bf16: auto` is bf16 autocast where it pays: a CUDA GPU with bf16 units, or a CPU with AMX or
+    AVX512-BF16 (two 2048-token runs of the recipe tie three fp32 ones at 55% of the time there; BENCHMARKS.md).
+    Elsewhere torch emulates bf16 on the CPU about 100x slower than fp32, so auto trains in fp32."""
+    if bf16 != "auto":
+        return bool(bf16)
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
 
 
 def freeze_backbone(model: nn.Module) -> None:
