@@ -261,7 +261,7 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_bf16(bf16: bool | str) -> bool:
     """`bf16: auto` is bf16 autocast where it pays: a CUDA GPU with bf16 units, or a CPU with AMX or
-    AVX512-BF16 (two 2048-token runs of the recipe tie three fp32 ones at 55% of the time there; BENCHMARKS.md).
+    AVX512-BF16 (three 2048-token runs of the recipe tie three fp32 ones at 55% of the time there; BENCHMARKS.md).
     Elsewhere torch emulates bf16 on the CPU about 100x slower than fp32, so auto trains in fp32."""
     if bf16 != "auto":
         return bool(bf16)
