@@ -797,6 +797,28 @@ def test_stride_variants(tiny_lm):
     assert rep["bytes"]["references"] < base["references"] and abs(rep["unexplained"]) < 1e-9
 
 
+def test_full_bits_variants(tiny_lm):
+    """-bNN quantises the full-attention (filter) layers in NN bits instead of KIVI-4: half their codes at 2
+    bits, the compressed layers' bytes untouched, every byte explained; a width the packer lacks is refused by name."""
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ConfigError, ResidualKVConfig
+    from residualkv.evaluation.harness import known_method
+
+    for name in ("residualkv-standalone-b2", "residualkv-r08-b2", "residualkv-standalone-s5-a100-b8"):
+        assert known_method(name), name
+    for name in ("kivi2-b2", "omnikv-b2", "residualkv-b2-s5", "full-b2"):
+        assert not known_method(name), name
+    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=64, d_ff=16)
+    reps = {name: measure(_generated(tiny_lm, codec, name)) for name in ("residualkv-standalone", "residualkv-standalone-b2")}
+    base, thin = reps["residualkv-standalone"], reps["residualkv-standalone-b2"]
+    assert thin["inputs"]["full_bits"] == 2 and base["inputs"]["full_bits"] == 4
+    assert thin["bytes"]["full_layer_codes"] * 2 == base["bytes"]["full_layer_codes"]
+    assert thin["bytes"]["latent_codes"] == base["bytes"]["latent_codes"]
+    assert thin["kr_measured"] < base["kr_measured"] and abs(thin["unexplained"]) < 1e-9
+    with pytest.raises(ConfigError, match="full_bits"):
+        build_method_cache("residualkv-standalone-b3", tiny_lm, codec)
+
+
 # ---------------------------------------------------------------------------------------------
 # the gold answer's NLL, teacher-forced through each cache
 

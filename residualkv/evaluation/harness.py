@@ -58,20 +58,23 @@ from .stats import compare, compare_recipes, mean_difference, rel_score_interval
 
 _SNAPKV = re.compile(r"^snapkv(?:-(\d+))?$")
 # Variants of registered methods, by suffix, as VARIANTS_HELP tells the CLIs' users: -rNN (select_ratio), then on
-# ResidualKV methods only -wNN, -gNN, -sNN, -aNN (the _CODEC_SUFFIXES' config fields), in this order; on LowRAM
+# ResidualKV methods only -wNN, -gNN, -sNN, -aNN, -bNN (the _CODEC_SUFFIXES' config fields), in this order; on LowRAM
 # methods -kNN (evict_keep, where the method evicts) then -fNN (fit_steps)
 _VARIANT = re.compile(r"^(?P<base>.+?)(?:-r(?P<ratio>\d+))?(?:-w(?P<window>\d+))?(?:-g(?P<group>\d+))?"
-                      r"(?:-s(?P<stride>\d+))?(?:-a(?P<alpha>\d+))?(?:-k(?P<keep>\d+))?(?:-f(?P<fit>\d+))?$")
+                      r"(?:-s(?P<stride>\d+))?(?:-a(?P<alpha>\d+))?(?:-b(?P<full_bits>\d+))?(?:-k(?P<keep>\d+))?"
+                      r"(?:-f(?P<fit>\d+))?$")
 # config field and how the suffix's integer reads: -aNN is the seed's dynamic-stride growth alpha in thousandths
 _CODEC_SUFFIXES = {"window": ("recent_window", int), "group": ("group_size", int), "stride": ("stride", int),
-                   "alpha": ("stride_alpha", lambda n: int(n) / 1000)}
+                   "alpha": ("stride_alpha", lambda n: int(n) / 1000), "full_bits": ("full_bits", int)}
 # what the CLIs print about the names above (argparse help: escape the % signs)
 VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN select NN% of the history per "
                  "decode step; residualkv-snapkv-rNN keeps NN% of the prompt on the compressed layers; on a "
                  "residualkv method, then, -wNN holds the newest NN tokens of its compressed layers in FP16, -gNN "
                  "quantises its latents in groups of NN, -sNN places a reference every NN tokens, -aNN lets that "
-                 "stride grow with the position by alpha = NN/1000 (the seed's long-context setting: -a1) "
-                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10, residualkv-a1); on a "
+                 "stride grow with the position by alpha = NN/1000 (the seed's long-context setting: -a1), -bNN "
+                 "quantises its full-attention layers KIVI-style in NN bits instead of 4 "
+                 "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10, residualkv-a1, "
+                 "residualkv-r08-b2); on a "
                  "lowram "
                  "method -fNN fits each context in NN Adam steps (lowram-warm-f25), and on an evicting one (lowram-e, "
                  "lowram-eq) -kNN keeps NN% of the prompt (lowram-eq-k25)")
