@@ -745,23 +745,34 @@ def test_recent_window_variants(tiny_lm):
     assert rep["bytes"]["recent_window_fp16"] > 0 and rep["gap"]["recent_window_fp16"] > 0
 
 
+def _suffix_reports(tiny_lm, variant: str, known: tuple[str, ...], unknown: tuple[str, ...]):
+    """Checks which names a method suffix is accepted on, then measures residualkv-standalone and `variant`
+    on one tiny codec: (codec, base report, variant report)."""
+    from residualkv.codec import ResidualCodec
+    from residualkv.config import ResidualKVConfig
+    from residualkv.evaluation.harness import known_method
+
+    for name in (variant, *known):
+        assert known_method(name), name
+    for name in unknown:
+        assert not known_method(name), name
+    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=64, d_ff=16)
+    return codec, *(measure(_generated(tiny_lm, codec, name)) for name in ("residualkv-standalone", variant))
+
+
 def test_group_size_variants(tiny_lm):
     """-gNN quantises a ResidualKV method's latents in groups of NN: fewer FP16 mins and scales, the
     same codes; a group that does not divide d_c is refused by name before anything is written."""
-    from residualkv.codec import ResidualCodec
-    from residualkv.config import ConfigError, ResidualKVConfig
-    from residualkv.evaluation.harness import known_method
+    from residualkv.config import ConfigError
 
-    for name in ("residualkv-standalone-g64", "residualkv-r08-w32-g16", "residualkv-snapkv-r20-g32"):
-        assert known_method(name), name
-    for name in ("kivi2-g64", "omnikv-g64", "residualkv-g64-w32", "full-g8"):
-        assert not known_method(name), name
-    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=64, d_ff=16)
-    reps = {name: measure(_generated(tiny_lm, codec, name)) for name in ("residualkv-standalone", "residualkv-standalone-g64")}
-    base, wide = reps["residualkv-standalone"]["bytes"], reps["residualkv-standalone-g64"]["bytes"]
-    assert wide["latent_codes"] == base["latent_codes"]
-    assert wide["latent_mins_scales"] * 2 == base["latent_mins_scales"]  # one FP16 pair per 64 values, not per 32
-    assert abs(reps["residualkv-standalone-g64"]["unexplained"]) < 1e-9
+    codec, base, wide = _suffix_reports(
+        tiny_lm, "residualkv-standalone-g64",
+        known=("residualkv-r08-w32-g16", "residualkv-snapkv-r20-g32"),
+        unknown=("kivi2-g64", "omnikv-g64", "residualkv-g64-w32", "full-g8"))
+    assert wide["bytes"]["latent_codes"] == base["bytes"]["latent_codes"]
+    # one FP16 pair per 64 values, not per 32
+    assert wide["bytes"]["latent_mins_scales"] * 2 == base["bytes"]["latent_mins_scales"]
+    assert abs(wide["unexplained"]) < 1e-9
     with pytest.raises(ConfigError, match="group_size=48.*divides d_c"):
         build_method_cache("residualkv-standalone-g48", tiny_lm, codec)
 
@@ -800,17 +811,11 @@ def test_stride_variants(tiny_lm):
 def test_full_bits_variants(tiny_lm):
     """-bNN quantises the full-attention (filter) layers in NN bits instead of KIVI-4: half their codes at 2
     bits, the compressed layers' bytes untouched, every byte explained; a width the packer lacks is refused by name."""
-    from residualkv.codec import ResidualCodec
-    from residualkv.config import ConfigError, ResidualKVConfig
-    from residualkv.evaluation.harness import known_method
+    from residualkv.config import ConfigError
 
-    for name in ("residualkv-standalone-b2", "residualkv-r08-b2", "residualkv-standalone-s5-a100-b8"):
-        assert known_method(name), name
-    for name in ("kivi2-b2", "omnikv-b2", "residualkv-b2-s5", "full-b2"):
-        assert not known_method(name), name
-    codec = ResidualCodec.for_model(tiny_lm.config, ResidualKVConfig(full_attention_layers=(0,)), d_c=64, d_ff=16)
-    reps = {name: measure(_generated(tiny_lm, codec, name)) for name in ("residualkv-standalone", "residualkv-standalone-b2")}
-    base, thin = reps["residualkv-standalone"], reps["residualkv-standalone-b2"]
+    codec, base, thin = _suffix_reports(
+        tiny_lm, "residualkv-standalone-b2", known=("residualkv-r08-b2", "residualkv-standalone-s5-a100-b8"),
+        unknown=("kivi2-b2", "omnikv-b2", "residualkv-b2-s5", "full-b2"))
     assert thin["inputs"]["full_bits"] == 2 and base["inputs"]["full_bits"] == 4
     assert thin["bytes"]["full_layer_codes"] * 2 == base["bytes"]["full_layer_codes"]
     assert thin["bytes"]["latent_codes"] == base["bytes"]["latent_codes"]
