@@ -72,7 +72,7 @@ VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN
                  "residualkv method, then, -wNN holds the newest NN tokens of its compressed layers in FP16, -gNN "
                  "quantises its latents in groups of NN, -sNN places a reference every NN tokens, -aNN lets that "
                  "stride grow with the position by alpha = NN/1000 (the seed's long-context setting: -a1), -bNN "
-                 "quantises its full-attention layers KIVI-style in NN bits instead of 4 "
+                 "quantises its full-attention layers KIVI-style in NN bits instead of the codec's own (4 by default) "
                  "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10, residualkv-a1, "
                  "residualkv-r08-b2); on a "
                  "lowram "
