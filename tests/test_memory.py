@@ -1,6 +1,10 @@
 """Every byte a cache holds is named by the accounting: the allocator's count equals the report's
 `held_bytes` (stored + spare + working + bookkeeping) for every method, after a prefill and decode steps."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -121,3 +125,16 @@ def test_traced_counts_peak_and_held():
     with pytest.raises(ValueError, match="only 'cpu' and 'cuda'"):
         with traced("meta"):
             pass
+
+
+def test_traced_keeps_stderr_quiet():
+    """kineto's per-block USDT lines (torch 2.13) would bury a pipeline step's log: traced() silences them,
+    unless the user asked for kineto's logging."""
+    code = ("import torch\nfrom residualkv.memory import traced\n"
+            "for _ in range(3):\n    with traced():\n        torch.ones(8) + 1\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "profiler_start" not in quiet.stderr, quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", code], env={**env, "KINETO_LOG_LEVEL": "0"}, capture_output=True,
+                          text=True, check=True)
+    assert loud.stderr.count("profiler_start") == 3, loud.stderr  # the user's setting wins
