@@ -43,7 +43,9 @@ def register(subparsers) -> None:
     d.add_argument("--profile", default="quick")
     d.add_argument("--run-now", action="store_true", help="also trigger one run immediately")
     d.add_argument("--run-once", action="store_true", help="execute due runs once, wait for them, exit")
-    d.add_argument("--timeout", type=float, default=3600.0, help="--run-once: seconds to wait for the run")
+    d.add_argument("--timeout", type=float, default=3600.0,
+                   help="--run-once: seconds to wait for a due run to start; one that started is waited for to its "
+                        "end, however long (Prefect's runner holds it; the default profile takes ~5 h)")
     d.add_argument("--work-pool", default=None, help="register on this work pool for `prefect worker` instead of serving")
     d.add_argument("--port", type=int, default=None, help="port of the local Prefect server started when "
                                                            "PREFECT_API_URL is not set (default: a free one)")

@@ -118,7 +118,9 @@ def serve(profile: str, *, run_now: bool = False, run_once: bool = False, timeou
     """Create/update the deployment on the configured API and run its flow runs in this process's runner.
 
     run_once: poll once, execute what is due (with run_now: the run just triggered), wait for it, exit
-    with 0 when every run it started completed.
+    with 0 when every run it started completed. `timeout` bounds the polling until a run starts, not the
+    run: Prefect's runner waits for the runs a poll started (a 30-second smoke run under --timeout 5
+    completes and exits 0).
     """
     import asyncio
 
