@@ -51,9 +51,9 @@ def traced(device: str | torch.device = "cpu") -> Iterator[TensorMemory]:
         return
     if device.type != "cpu":
         raise ValueError(f"traced(device={str(device)!r}): only 'cpu' and 'cuda' devices are measured")
-    # torch 2.13's kineto writes two "USDT: ... profiler_start/stop" lines to stderr for every profiled
-    # block, hundreds in a throughput step; its threshold has no level that drops those and keeps its
-    # errors, so it is silenced unless the user set one. Read when kineto starts: the first profiled block.
+    # torch 2.13's kineto writes two "USDT: ... profiler_start/stop" lines to stderr per profiled block (48
+    # lines in the default profile's throughput step); its threshold has no level that drops those and keeps
+    # its errors, so it is silenced unless the user set one. Read when kineto starts: the first profiled block.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
 
