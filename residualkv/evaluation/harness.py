@@ -74,10 +74,8 @@ VARIANTS_HELP = ("snapkv-NN keeps NN% of the prompt; residualkv-rNN / omnikv-rNN
                  "stride grow with the position by alpha = NN/1000 (the seed's long-context setting: -a1), -bNN "
                  "quantises its full-attention layers KIVI-style in NN bits instead of the codec's own (4 by default) "
                  "(residualkv-standalone-w64, residualkv-r08-w32-g80, residualkv-standalone-s10, residualkv-a1, "
-                 "residualkv-r08-b2); on a "
-                 "lowram "
-                 "method -fNN fits each context in NN Adam steps (lowram-warm-f25), and on an evicting one (lowram-e, "
-                 "lowram-eq) -kNN keeps NN% of the prompt (lowram-eq-k25)")
+                 "residualkv-r08-b2); on a lowram method -fNN fits each context in NN Adam steps (lowram-warm-f25), "
+                 "and on an evicting one (lowram-e, lowram-eq) -kNN keeps NN% of the prompt (lowram-eq-k25)")
 _RATIO_BASES = ("residualkv", "residualkv-reuse", "omnikv", "residualkv-snapkv")
 
 
