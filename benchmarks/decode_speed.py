@@ -20,6 +20,8 @@ decoded + references read, summed over the compressed layers) come from the cach
                                                        #   through the model, its eviction needs the queries)
     python benchmarks/decode_speed.py --reuse          # + ResidualKV + OmniKV with select_reuse (the sparse layers
                                                        #   keep their reconstructed tokens between steps)
+    python benchmarks/decode_speed.py --ratios 8       # + ResidualKV + OmniKV selecting 8% of the history per step
+                                                       #   (`rkv eval`'s residualkv-r8, issue #4's CR <= 30% setting)
 
 Writes benchmarks/results/decode_speed_cpu{_quick}.json and a PNG plot next to it.
 """
@@ -54,6 +56,7 @@ from trees import describe  # noqa: E402
 METHODS = ("full", "residualkv-standalone", "residualkv+omnikv")
 VALUES_FIRST = ":values-first"  # --values-first: a deployment read with the values decoded before the softmax
 REUSE = "residualkv+omnikv:reuse"  # --reuse: OmniKV's sparse layers with their reuse buffer (select_reuse)
+RATIO = "residualkv+omnikv-r"  # --ratios NN: OmniKV choosing NN% of the history per step, not a token count
 
 
 def get_codec(model, spec, cfg, path=None):
@@ -101,6 +104,8 @@ def run_context(model, tok, codec, cfg, ctx: int, args) -> dict:
     if args.reuse:
         caches[REUSE] = standalone.fork(mode="omnikv", select_budget=args.budget, n_recent=args.recent,
                                         select_reuse=True)
+    for pct in args.ratios:
+        caches[f"{RATIO}{pct}"] = standalone.fork(mode="omnikv", select_ratio=pct / 100, n_recent=args.recent)
     lowram_fill_s = {}
     if args.lowram:  # the prompt handed over in one call, as LowRAM's prefill sees it; the fit happens here
         for name in args.lowram_methods.split(","):
@@ -193,7 +198,7 @@ def plot(results: list[dict], path: Path, note: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ctx = [r["context"] for r in results]
-    names = [*METHODS, REUSE, *(n for n in results[0]["methods"] if n.startswith("lowram"))]
+    names = [*METHODS, REUSE, *(n for n in results[0]["methods"] if n.startswith((RATIO, "lowram")))]
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
               "tab:olive", "tab:cyan")
     for name, color in zip(names, colors):
@@ -233,6 +238,9 @@ def main(argv=None) -> int:
                    help="also time the --lowram-methods (their 150-step fits to the prompt are not timed as decode)")
     p.add_argument("--lowram-methods", default="lowram,lowram-sr",
                    help="with --lowram: comma list of LowRAM methods (default: lowram,lowram-sr; e.g. + lowram-sr16)")
+    p.add_argument("--ratios", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                   help="comma list of percents: also time ResidualKV + OmniKV selecting that share of the history "
+                        "per step (as rkv eval's residualkv-rNN), beside the --budget row")
     p.add_argument("--reuse", action="store_true",
                    help=f"also time {REUSE}: ResidualKV + OmniKV whose sparse layers keep their reconstructed tokens "
                         "and decode only those a step adds (select_reuse; working memory reported as working_vs_fp16)")
@@ -253,6 +261,8 @@ def main(argv=None) -> int:
         args.steps, args.repeats = args.steps or 3, args.repeats or 2
         args.budget = min(args.budget, 64)
         args.recent = min(args.recent, 32)
+    if bad := [pct for pct in args.ratios if not 0 < pct <= 100]:
+        p.error(f"--ratios: {bad} are not percents in 1..100 (e.g. --ratios 8 selects 8% of the history per step)")
     args.contexts = args.contexts or [2048, 4096, 8192]
     args.steps, args.repeats = args.steps or 4, args.repeats or 3
     torch.set_num_threads(args.threads)
@@ -278,13 +288,15 @@ def main(argv=None) -> int:
               f"compressing it {r['fill_s']:.1f}s)", flush=True)
     print(table(results))
     note = (f"SmolLM2-135M fp32, CPU {torch.get_num_threads()} threads (shared, load {load[0]:.1f}); codec: "
-            f"{codec_note.split(' (')[0]}; OmniKV budget {args.budget}+{cfg.n_sink}+{args.recent}")
+            f"{codec_note.split(' (')[0]}; OmniKV budget {args.budget}+{cfg.n_sink}+{args.recent}"
+            + "".join(f"; -r{pct}: {pct}% of the history+{cfg.n_sink}+{args.recent}" for pct in args.ratios))
     payload = {"benchmark": "decode_speed_cpu", "backbone": "smollm2-135m", "dtype": "float32", "codec": codec_note,
                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_start": load,
                "load_average_end": os.getloadavg(), "machine": platform.machine(), "torch": torch.__version__,
                "commit": describe(ROOT),
                "values_first_rows": args.values_first, "reuse_rows": args.reuse,
                "lowram_rows": args.lowram_methods.split(",") if args.lowram else False,
+               "ratio_rows": [f"{RATIO}{pct}" for pct in args.ratios],
                "omnikv": {"select_budget": args.budget, "n_sink": cfg.n_sink, "n_recent": args.recent,
                           "filter_layers": list(cfg.full_attention_layers)},
                "protocol": {"warmup_steps": args.warmup, "rounds": args.repeats, "steps_per_round": args.steps,
