@@ -28,6 +28,13 @@ from .common import backbone_identity, cache_defaults, shared_backbone
 KR_CR_DECODE_STEPS = 8  # greedy steps after the prefill, so the table's CR is measured, not the prefill's 1.0
 
 
+def _bar(total: int, desc: str):
+    """A progress bar on stderr, as the evaluation's: these steps run for minutes without other output."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, file=sys.stderr, desc=desc, unit="run", dynamic_ncols=True)
+
+
 def _codec_sha(codec_dir: str | None) -> str:
     if not codec_dir:
         return ""
@@ -57,12 +64,15 @@ def measure_kr_cr(backbone_ref: str, codec_dir: str | None, config: dict[str, An
         n_layers = model.config.num_hidden_layers
         beta = len(base.full_attention_layers) / n_layers
         rows = []
+        bar = _bar(len(config["context_lens"]) * len(config["methods"]), "KR/CR table")
         for L in config["context_lens"]:
             ids = context_ids(tokenizer, int(L))
             for m in config["methods"]:
+                bar.set_postfix_str(f"{m} @ {L}")
                 cache = build_method_cache(m, model, codec, base)
                 prefill_then_decode(model, ids, cache, KR_CR_DECODE_STEPS)
                 rep = measure(cache)
+                bar.update()
                 rows.append({"method": m, "context_len": int(L), "decode_steps": KR_CR_DECODE_STEPS,
                              "kr_measured": rep["kr_measured"],
                              "kr_formula": rep.get("kr_formula", rep["kr_measured"]), "cr": rep["cr"],
@@ -70,6 +80,7 @@ def measure_kr_cr(backbone_ref: str, codec_dir: str | None, config: dict[str, An
                              "kr_gap_unexplained": rep.get("unexplained"),
                              "kr_window": (rep.get("gap") or {}).get("recent_window_fp16", 0.0),
                              "kr_gap": json.dumps(rep.get("gap") or {}, sort_keys=True)})
+        bar.close()
         (folder / "kr_cr.json").write_text(json.dumps(rows, indent=2))
         return {"rows": rows, "beta": beta, "full_attention_layers": list(base.full_attention_layers),
                 "num_layers": n_layers}
@@ -157,21 +168,28 @@ def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[st
 
         base = cache_defaults(spec)
         rows = []
+        repeats = int(config.get("repeats", 1))
+        # per length: the timed rounds, then one memory pass per method
+        bar = _bar(len(config["context_lens"]) * len(config["methods"]) * (repeats + 1), "throughput")
         for L in config["context_lens"]:
             ids = context_ids(tokenizer, int(L))
             per = {m: {"prefill": [], "steps": []} for m in config["methods"]}
-            for _ in range(int(config.get("repeats", 1))):
+            for k in range(repeats):
                 for m in config["methods"]:  # interleaved: load on the shared CPU hits every method alike
+                    bar.set_postfix_str(f"{m} @ {L}, round {k + 1}/{repeats}")
                     cache = build_method_cache(m, model, codec, base)
                     prefill, steps = _decode_run(model, cache, ids, int(config["new_tokens"]))
                     per[m]["prefill"].append(prefill)
                     per[m]["steps"].extend(steps[1:] or steps)  # the first step pays for warm-up
                     del cache
+                    bar.update()
             full_tok_s = None
             for m in config["methods"]:
                 step = statistics.median(per[m]["steps"])
                 # tensor memory from a pass of its own: tracing allocations slows the run it watches
+                bar.set_postfix_str(f"{m} @ {L}, tensor memory")
                 mem = cache_memory(model, build_method_cache(m, model, codec, base), ids)
+                bar.update()
                 row = {"method": m, "context_len": int(L), "device": "cpu", "threads": torch.get_num_threads(),
                        "prefill_tok_s": int(L) / statistics.median(per[m]["prefill"]), "decode_tok_s": 1.0 / step,
                        "decode_ms_per_token": 1000 * step, "decode_steps_timed": len(per[m]["steps"]),
@@ -182,6 +200,7 @@ def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[st
             for r in rows:
                 if r["context_len"] == int(L) and full_tok_s:
                     r["decode_speedup_vs_full"] = r["decode_tok_s"] / full_tok_s
+        bar.close()
         result: dict[str, Any] = {"rows": rows, "gpu": None}
         if torch.cuda.is_available():
             result["gpu"] = _gpu_bench(folder, config)
