@@ -163,7 +163,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
                            f"evaluate.methods {sections['evaluate']['methods']}")
     if "full" not in sections["evaluate"]["methods"]:
         raise ProfileError(f"{path}: evaluate.methods must include 'full' (scores are relative to the full cache)")
-    from residualkv.evaluation.harness import evaluate, known_method
+    from residualkv.evaluation.harness import VARIANTS_HELP, evaluate, known_method
 
     options = sections["evaluate"]["options"]
     if not isinstance(options, dict):
@@ -181,7 +181,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
             from residualkv.methods import METHODS
 
             raise ProfileError(f"{path}: unknown method(s) {unknown_methods} in `{section}.methods`; known: "
-                               f"{', '.join(METHODS)}, snapkv-NN")
+                               f"{', '.join(METHODS)}; and variants: {VARIANTS_HELP}")
     return Profile(name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
                    backbones=list(backbones), path=path, raw=raw, **sections)
 

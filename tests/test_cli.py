@@ -30,6 +30,19 @@ def test_unknown_profile_is_named_before_any_prefect_server_starts(capsys):
     _fails_cleanly(["deploy", "--profile", "no-such-profile"], capsys, "unknown pipeline profile")
 
 
+def test_every_shipped_profile_passes_its_own_checks():
+    """The weekly job's profile runs only at its cron: a bad method name or setting in it must fail here."""
+    from flows.profiles import load_profile
+    from residualkv.paths import configs_dir
+
+    shipped = sorted((configs_dir() / "pipelines").glob("*.yaml"))
+    assert {p.stem for p in shipped} >= {"default", "quick", "smoke"}
+    for path in shipped:
+        profile = load_profile(path)
+        assert profile.name == path.stem
+        assert profile.registry["method"] in profile.evaluate["methods"]
+
+
 def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_starts(tmp_path, capsys):
     import yaml
 
@@ -67,6 +80,8 @@ def test_a_profile_with_an_invalid_training_setting_fails_before_the_pipeline_st
         ("schedule", {"timezone": "Mars/Base"}, "schedule.timezone 'Mars/Base' is not an IANA time zone"),
         ("accounting", {"context_lens": 2048}, "accounting.context_lens is 2048; it must be a list"),
         ("throughput", {"repeats": 0}, "throughput.repeats is 0; it must be a positive integer"),
+        ("throughput", {"methods": ["full", "residualkv-r9x"]},
+         "unknown method(s) ['residualkv-r9x'] in `throughput.methods`; known: full"),
     ]:
         profile = yaml.safe_load(yaml.safe_dump(original))
         for key, value in change.items():
