@@ -222,6 +222,17 @@ def plot(results: list[dict], path: Path, note: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _percents(text: str) -> list[int]:
+    try:
+        pcts = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        pcts = []
+    if not pcts or not all(0 < pct <= 100 for pct in pcts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of whole percents in 1..100 "
+                                         "(e.g. --ratios 8 selects 8% of the history per step)")
+    return pcts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test: contexts 256 and 512, fewer steps")
@@ -238,7 +249,7 @@ def main(argv=None) -> int:
                    help="also time the --lowram-methods (their 150-step fits to the prompt are not timed as decode)")
     p.add_argument("--lowram-methods", default="lowram,lowram-sr",
                    help="with --lowram: comma list of LowRAM methods (default: lowram,lowram-sr; e.g. + lowram-sr16)")
-    p.add_argument("--ratios", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+    p.add_argument("--ratios", type=_percents, default=[],
                    help="comma list of percents: also time ResidualKV + OmniKV selecting that share of the history "
                         "per step (as rkv eval's residualkv-rNN), beside the --budget row")
     p.add_argument("--reuse", action="store_true",
@@ -261,8 +272,6 @@ def main(argv=None) -> int:
         args.steps, args.repeats = args.steps or 3, args.repeats or 2
         args.budget = min(args.budget, 64)
         args.recent = min(args.recent, 32)
-    if bad := [pct for pct in args.ratios if not 0 < pct <= 100]:
-        p.error(f"--ratios: {bad} are not percents in 1..100 (e.g. --ratios 8 selects 8% of the history per step)")
     args.contexts = args.contexts or [2048, 4096, 8192]
     args.steps, args.repeats = args.steps or 4, args.repeats or 3
     torch.set_num_threads(args.threads)
