@@ -20,7 +20,7 @@ from residualkv.cache import ResidualKVCache
 from residualkv.codec import CodecError, ResidualCodec
 from residualkv.config import ResidualKVConfig
 from residualkv.training.packing import DataError, LocalSource, insert_recalls, pack_documents
-from residualkv.training.trainer import (CodecObjective, TrainConfig, TrainError, cpu_has_native_bf16,
+from residualkv.training.trainer import (CodecObjective, CodecTrainer, TrainConfig, TrainError, cpu_has_native_bf16,
                                          enable_mlp_checkpointing, freeze_backbone, heldout_losses, heldout_metrics, linear_warmup_decay, replanned, served_split,
                                          train_codec, trained_reading)
 
@@ -286,10 +286,15 @@ def test_time_budget_plans_the_schedule_and_stops_cleanly(tmp_path, packed):
     assert time.monotonic() - t0 < 0.06 * 60 + 3
     assert _losses(planned.codec_path)["total_steps"] == planned.total_steps
 
+    t0 = time.monotonic()
     capped = train_codec(model, tiny_codec(model), packed.train, tmp_path / "capped",
                          fast(steps=100_000, minutes=0.03), progress=False)
-    assert capped.stopped_early and 0 < capped.steps < 100_000 and capped.total_steps == 100_000
-    assert ResidualCodec.load(capped.codec_path).extra["training"]["stopped_early"]
+    assert time.monotonic() - t0 < 0.03 * 60 + 3
+    info = ResidualCodec.load(capped.codec_path).extra["training"]
+    assert 0 < capped.steps <= capped.total_steps < 100_000 == info["planned_steps"]  # re-planned to the cap
+    # a slow machine can reach the cap before the first re-plan (it needs 6 steps): then it stopped there
+    assert info["replans"] or capped.stopped_early
+    assert info["stopped_early"] == capped.stopped_early
 
 
 def test_two_processes_train_as_one_and_agree_on_their_time_budget(tmp_path):
@@ -363,6 +368,26 @@ def test_a_time_budget_run_replans_when_its_steps_run_slower_than_calibrated(tmp
     if not result.stopped_early:
         assert result.steps == result.total_steps
         assert [x for x in lrs if x is not None][-1] < 0.1 * fast().lr  # the last step's rate: the decay's end
+
+
+def test_a_steps_run_under_a_budget_shrinks_its_schedule_only_when_the_steps_do_not_fit(tmp_path, packed):
+    """--steps with --minutes (the default profile's 179 steps, 58 min): on a machine too slow for the steps
+    the schedule shrinks so the learning rate still reaches 0 inside the cap, rather than the cap stopping
+    the run part-way down the schedule; where the steps fit, the schedule is the one asked for."""
+    model = tiny_model()
+    lrs = []
+    slow = train_codec(model, tiny_codec(model), packed.train, tmp_path / "slow", fast(steps=100_000, minutes=0.05),
+                       on_metrics=lambda step, m: lrs.append(m.get("lr")), progress=False)
+    info = _losses(slow.codec_path)
+    assert info["planned_steps"] == 100_000 > info["total_steps"] == slow.total_steps, info
+    assert info["replans"] and info["replans"][0][0] > CodecTrainer.REPLAN_EVERY, info["replans"]  # a pace needs 5 steps
+    if not slow.stopped_early:  # as in the calibrated case, a step far slower than the rest can still meet the cap
+        assert slow.steps == slow.total_steps and [x for x in lrs if x is not None][-1] < 0.1 * fast().lr
+
+    fits = train_codec(model, tiny_codec(model), packed.train, tmp_path / "fits", fast(steps=8, minutes=5),
+                       progress=False)
+    info = _losses(fits.codec_path)
+    assert (fits.steps, fits.total_steps, info["planned_steps"], info["replans"]) == (8, 8, 8, [])
 
 
 def test_lr_schedule_warms_up_then_decays_linearly():

@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the LR schedule length)")
     t.add_argument("--minutes", type=float, default=None,
-                   help="time budget; without --steps the schedule length is planned from the measured step time")
+                   help="time budget; without --steps the schedule length is planned from the measured step time, "
+                        "with it the schedule shrinks when its steps would not fit")
     t.add_argument("--batch-size", type=int, default=1)
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--lr", type=float, default=2e-4)

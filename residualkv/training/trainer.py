@@ -469,7 +469,7 @@ class CodecTrainer:
         self.objective, self.optimizer, self.loader = self.accelerator.prepare(
             CodecObjective(model, codec, config), optimizer, loader)
         self.scheduler = None  # built by plan() once the schedule length is known
-        self.replanning = False  # plan() made the schedule from this invocation's --minutes (see _replan)
+        self.replanning = False  # this invocation's --minutes bounds a fresh schedule (see plan, _replan)
 
     # ---- planning ---------------------------------------------------------------------------
 
@@ -501,6 +501,10 @@ class CodecTrainer:
                           f"{cfg.minutes:g} bounds this invocation only")
         elif cfg.steps is not None:
             self.state.total_steps = cfg.steps
+            # --steps with --minutes: the steps are the plan and the budget a cap. Stopped by the cap part-way
+            # down the schedule, the codec would ship with its learning rate undecayed; re-planning (shrinks
+            # only) ends the schedule where the cap does instead, and leaves a machine fast enough untouched.
+            self.replanning = cfg.minutes is not None
         else:
             step_s = self._calibrate()
             self.state.total_steps = self._agreed(self._steps_that_fit(step_s))
@@ -544,10 +548,11 @@ class CodecTrainer:
     REPLAN_EVERY = 5  # steps between re-plans, and the steps whose mean time predicts the rest
 
     def _replan(self, recent: list[float]) -> int | None:
-        """A --minutes run planned from two calibration steps: when the steps run slower (a shared machine,
-        allocator growth), the budget would stop the run before its learning rate has decayed. Every few
-        steps, if the remaining steps no longer fit at the recent pace, the run is re-planned to end when
-        the budget does: the new total, or None. Shrinks only; the budget check still stops the run."""
+        """A --minutes run, planned from two calibration steps or given --steps: when the steps run slower
+        (a shared machine, allocator growth, a slower CPU), the budget would stop the run before its learning
+        rate has decayed. Every few steps, if the remaining steps no longer fit at the recent pace, the run
+        is re-planned to end when the budget does: the new total, or None. Shrinks only; the budget check
+        still stops the run."""
         st = self.state
         if not self.replanning or len(recent) < self.REPLAN_EVERY or st.step >= st.total_steps:
             return None
