@@ -12,7 +12,7 @@ are compared with a baseline:
     candidate worse than what is served? (The champion is re-measured on the candidate's suite when the
     two were benchmarked on different suites.)
 Gated metrics and directions: score, rel_score, task.* (higher is better, absolute tolerance);
-kr_measured, answer_nll, answer_nll_delta (lower is better, absolute tolerance); ppl, ppl_rel (lower is
+kr_measured, cr, answer_nll, answer_nll_delta (lower is better, absolute tolerance); ppl, ppl_rel (lower is
 better, relative tolerance).
 Against another version (the champion) the scores of a few samples per task move by ~0.1 between two
 equally good codecs, so where both sides have per-sample predictions with signal (the champion's stored

@@ -454,13 +454,15 @@ def test_bench_regress_judges_scores_on_the_same_samples_against_another_version
     # the champion's own full-cache rows are not needed: the measured run's are the reference
     assert paired_checks(broken, champion + full, "residualkv", 0.02)[0].difference == real.difference
 
-    base = {"rel_score": 0.875, "task.a": 1.0, "kr_measured": 0.18}
-    point = {"rel_score": 0.75, "task.a": 0.75, "kr_measured": 0.18}
+    base = {"rel_score": 0.875, "task.a": 1.0, "kr_measured": 0.18, "cr": 0.28}
+    point = {"rel_score": 0.75, "task.a": 0.75, "kr_measured": 0.18, "cr": 0.29}
     assert {c.metric for c in compare(base, point, 0.02) if c.regressed} == {"rel_score", "task.a"}
+    # the sparse path reading the whole history: answers may hold, the bytes attended do not
+    assert [c.metric for c in compare(base, point | {"cr": 1.0}, 0.02, paired=["rel_score"]) if c.regressed] == ["cr"]
     shown = compare(base, point, 0.02, paired=["rel_score"])
-    assert not any(c.regressed for c in shown) and [c.metric for c in shown if c.gated] == ["kr_measured"]
+    assert not any(c.regressed for c in shown) and [c.metric for c in shown if c.gated] == ["cr", "kr_measured"]
     text = RegressReport("models:/x@candidate", "4", "the champion", shown, paired=[noise]).text()
-    assert "PASS - 0 regression(s) in 2 metrics" in text and "shown (judged on the samples below)" in text
+    assert "PASS - 0 regression(s) in 3 metrics" in text and "shown (judged on the samples below)" in text
     assert "rel_score_ctx2048 paired (8 samples)" in text
     assert "FAIL - 1 regression(s)" in RegressReport("models:/x@candidate", "4", "the champion", shown,
                                                      paired=[real]).text()
