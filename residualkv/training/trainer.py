@@ -504,13 +504,13 @@ class CodecTrainer:
             # --steps with --minutes: the steps are the plan and the budget a cap. Stopped by the cap part-way
             # down the schedule, the codec would ship with its learning rate undecayed; re-planning (shrinks
             # only) ends the schedule where the cap does instead, and leaves a machine fast enough untouched.
-            self.replanning = cfg.minutes is not None
         else:
             step_s = self._calibrate()
             self.state.total_steps = self._agreed(self._steps_that_fit(step_s))
             self._say(f"measured {step_s:.1f}s per optimizer step: planning {self.state.total_steps} steps "
                       f"for the {cfg.minutes:g}-minute budget")
-            self.replanning = True
+        # a fresh plan under a budget is re-planned as the measured pace drifts; a resumed one keeps its plan
+        self.replanning = self.resumed_from is None and cfg.minutes is not None
         st = self.state
         st.planned_steps = st.planned_steps or st.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
