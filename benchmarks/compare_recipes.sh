@@ -23,7 +23,8 @@ L2048PKG=(L2048pkg)  # bf16, 357 steps over the offline corpus plus as much pack
 L2048BF179=(L2048bf179 L2048bf179s1 L2048bf179s2)  # the fp32 recipe's 179 steps in bf16 (data order seeds 0, 1, 2)
 L4096BF=(L4096full)  # 4096-token blocks in bf16, 187 steps, the schedule run out past the hour (one run so far)
 L2048LR6=(L2048lr6)  # L2048bf179 at lr 6e-4 (3x the paper's), data order seed 0 (one run)
-L2048LR1=(L2048lr1)  # L2048bf179 at lr 1e-4 (half the paper's), data order seed 0 (one run)
+L2048LR1=(L2048lr1 L2048lr1s1)  # L2048bf179 at lr 1e-4 (half the paper's), data order seeds 0, 1
+L2048LR05=(L2048lr05)  # L2048bf179 at lr 5e-5 (a quarter of the paper's), data order seed 0 (one run)
 L1024AMD_2K=(L1024r3 L1024s1r L1024s2r L1024t1)
 L1024AMD_4K=(L1024r3 L1024s1r L1024s2r)  # L1024t1 ran only the 10 seed-1 samples at 4K
 join() { local IFS=,; echo "$*"; }
@@ -38,10 +39,11 @@ runs() {  # runs CTX SETS NAME...: each run's prediction files, its method renam
 mkdir -p "$OUT"
 
 # The 2048-token recipe's variants and the 4096-token run, compared the same way at both lengths.
-LONG_RUNS=("${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}" "${L4096BF[@]}" "${L2048LR6[@]}" "${L2048LR1[@]}")
+LONG_RUNS=("${L2048[@]}" "${L2048BF[@]}" "${L2048PKG[@]}" "${L2048BF179[@]}" "${L4096BF[@]}" "${L2048LR6[@]}" "${L2048LR1[@]}" "${L2048LR05[@]}")
 variants=(--recipe "L2048bf=$(join "${L2048BF[@]}")" --recipe "L2048pkg=$(join "${L2048PKG[@]}")"
           --recipe "L2048bf179=$(join "${L2048BF179[@]}")" --recipe "L4096bf=$(join "${L4096BF[@]}")"
           --recipe "lr6e-4=$(join "${L2048LR6[@]}")" --recipe "lr1e-4=$(join "${L2048LR1[@]}")"
+          --recipe "lr5e-5=$(join "${L2048LR05[@]}")" --compare-recipes lr5e-5,L2048bf179 --compare-recipes lr5e-5,lr1e-4
           --compare-recipes lr6e-4,L2048bf179 --compare-recipes lr1e-4,L2048bf179 --compare-recipes lr6e-4,lr1e-4
           --compare-recipes L2048bf,L2048 --compare-recipes L2048pkg,L2048bf --compare-recipes L2048pkg,L2048
           --compare-recipes L2048bf179,L2048 --compare-recipes L4096bf,L2048bf179 --compare-recipes L4096bf,L2048)
