@@ -2,7 +2,7 @@
 
     flows.retrain.retrain_flow(profile)   pack -> train (mapped over backbones) -> KR/CR -> validate ->
                                           evaluate -> validate -> throughput -> MLflow -> register -> promote
-    flows.bench_regress.bench_regress     re-evaluate a registered version, compare with its stored metrics
+    flows.bench_regress.bench_regress     re-evaluate and re-time a registered version, compare with its stored metrics
     flows.deploy                          the scheduled retraining deployment (cron from the profile)
     flows.cli                             `rkv run`, `rkv bench-regress`, `rkv deploy`
 """

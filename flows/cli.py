@@ -2,7 +2,7 @@
 
     rkv run [--profile quick]                         the whole pipeline; ends with a summary table
     rkv bench-regress [--codec models:/NAME@champion] [--tolerance 0.02] [--nll-tolerance 0.05] [--flips 1]
-                      [--against auto|self|champion]
+                      [--speed-tolerance 0.4 | --no-speed] [--against auto|self|champion]
     rkv deploy [--profile quick] [--run-now] [--run-once] [--work-pool NAME]   scheduled retraining
 """
 
@@ -33,6 +33,11 @@ def register(subparsers) -> None:
     b.add_argument("--flips", type=_tolerance, default=None,
                    help="against its own stored run: answers the re-run may lose, net of those it gains, per context "
                         "length before its scores count as regressed (another CPU's rounding can flip one; default 1)")
+    b.add_argument("--speed-tolerance", type=_tolerance, default=None,
+                   help="the decode speed-up over the full cache (timed side by side) may fall by this fraction of "
+                        "the baseline's before it is a regression (default 0.4)")
+    b.add_argument("--no-speed", action="store_true",
+                   help="do not re-time decoding (a busy machine): the speed-up is shown, not gated")
     b.add_argument("--against", default="auto", choices=("auto", "self", "champion"),
                    help="baseline: auto = the version's own metrics if it is the champion, else the champion's")
     b.add_argument("--json", default=None, metavar="OUT", help="also write the comparison as JSON")
@@ -105,6 +110,9 @@ def cmd_bench_regress(args) -> int:
         extra = {} if args.nll_tolerance is None else {"nll_tolerance": args.nll_tolerance}
         if args.flips is not None:
             extra["allowed"] = args.flips
+        if args.speed_tolerance is not None:
+            extra["speed_tolerance"] = args.speed_tolerance
+        extra["speed"] = not args.no_speed
         report = bench_regress(uri, tolerance=args.tolerance, against=args.against, **extra)
     except registry.RegistryError as error:
         print(f"bench-regress: cannot check {uri}: {error}", file=sys.stderr)
@@ -121,7 +129,8 @@ def cmd_bench_regress(args) -> int:
                                         "allowed": c.allowed, "regressed": c.regressed, "gated": c.gated}
                                        for c in report.comparisons],
                        "paired": [p.as_dict() for p in report.paired], "paired_note": report.paired_note,
-                       "flips": [f.as_dict() for f in report.flips]},
+                       "flips": [f.as_dict() for f in report.flips], "speed_note": report.speed_note,
+                       "speed_rows": report.speed_rows},
                       f, indent=2)
     return 0 if report.passed else 1
 

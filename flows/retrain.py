@@ -126,7 +126,8 @@ def benchmark_and_register(prof: Profile, entry: Any, name: str, ref: str, run_f
             tags = {"profile": prof.name, "method": method, "train_steps": train.get("steps"),
                     "data_fingerprint": train.get("data_fingerprint", ""), "train_key": train.get("key", ""),
                     "train_dir": train.get("run_dir", "")}
-            reg = register_codec_version(run_id, codec_dir, model_name, metrics, suite, tags, report_dir)
+            reg = register_codec_version(run_id, codec_dir, model_name, metrics, suite, tags, report_dir,
+                                         speed_suite=prof.throughput)
             out["registered"] = reg
             out["status"] = "registered"
             if reg_cfg["promote"]:

@@ -16,7 +16,7 @@ _LAZY = {
     **{name: "codecs" for name in (
         "CANDIDATE", "CHAMPION", "COMPLETE_TAG", "PromotionDecision", "PromotionRule", "RegisteredCodec",
         "RegistryError", "default_model_name", "get_version", "is_complete", "list_versions",
-        "promote_if_not_worse", "register_codec", "version_metrics", "version_suite")},
+        "promote_if_not_worse", "register_codec", "version_metrics", "version_speed_suite", "version_suite")},
     "fetch_codec_dir": "serving",
     "load_codec": "serving",
 }

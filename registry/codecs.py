@@ -39,6 +39,9 @@ CANDIDATE = "candidate"
 CHAMPION = "champion"
 COMPLETE_TAG = "rkv.complete"
 SUITE_TAG = "rkv.suite"
+# the throughput profile the version's decode speed-up comes from; its own tag, so that versions profiled
+# differently still share an evaluation suite (and its stored figures) for promotion
+SPEED_SUITE_TAG = "rkv.speed_suite"
 METRIC_PREFIX = "metric."
 CODEC_ARTIFACT_DIR = "codec"
 
@@ -93,7 +96,7 @@ def _download(artifact_uri: str, dst: Path) -> Path:
 def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: Mapping[str, Any] | None = None,
                    tags: Mapping[str, Any] | None = None, run_id: str | None = None,
                    artifacts: Mapping[str, str | Path] | None = None, suite: Mapping[str, Any] | None = None,
-                   description: str | None = None) -> RegisteredCodec:
+                   description: str | None = None, speed_suite: Mapping[str, Any] | None = None) -> RegisteredCodec:
     """Log a saved codec directory as a run's artifacts and register it as a new, complete version.
 
     codec_dir   a directory written by `ResidualCodec.save` (verified before anything is logged)
@@ -103,6 +106,7 @@ def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: M
     run_id      the MLflow run that produced the codec; a new run is made when None
     artifacts   {artifact_path: local file or folder} logged beside the codec (tables, plots, suite)
     suite       the benchmark suite the metrics come from (stored as the `rkv.suite` tag)
+    speed_suite the throughput profile its decode speed-up metrics come from (`rkv.speed_suite`)
     """
     codec_dir = Path(codec_dir)
     ResidualCodec.load(codec_dir)  # raises CodecError on a missing, malformed or corrupted codec
@@ -155,6 +159,8 @@ def register_codec(codec_dir: str | Path, *, name: str | None = None, metrics: M
         }
         if suite is not None:
             version_tags[SUITE_TAG] = json.dumps(dict(suite), sort_keys=True)
+        if speed_suite is not None:
+            version_tags[SPEED_SUITE_TAG] = json.dumps(dict(speed_suite), sort_keys=True)
         mv = retrying(c.create_model_version, name, source, run_id=run_id, tags=version_tags,
                       description=description or f"ResidualKV codec for {backbone}")
         version = str(mv.version)
@@ -259,6 +265,11 @@ def version_metrics(mv) -> dict[str, float]:
 
 def version_suite(mv) -> dict[str, Any] | None:
     raw = (mv.tags or {}).get(SUITE_TAG)
+    return json.loads(raw) if raw else None
+
+
+def version_speed_suite(mv) -> dict[str, Any] | None:
+    raw = (mv.tags or {}).get(SPEED_SUITE_TAG)
     return json.loads(raw) if raw else None
 
 

@@ -146,12 +146,13 @@ def _decode_run(model, cache, ids, n_new: int) -> tuple[float, list[float]]:
     return prefill, steps
 
 
-def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[str, Any], *, use_cache: bool = True) -> dict[str, Any]:
+def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[str, Any], *, use_cache: bool = True,
+                       gpu_bench: bool = True) -> dict[str, Any]:
     """Prefill and decode tokens/s, methods side by side in one process, rounds interleaved (CPU here), and
     each method's tensor memory (prefill peak, decode-step peak, cache held; residualkv.memory).
 
-    With CUDA present the same loop also runs on the GPU, and `benchmarks/gpu_bench.py` (the Triton
-    kernels' benchmark) is run when it exists; its JSON is attached.
+    With CUDA present and `gpu_bench`, `benchmarks/gpu_bench.py` (the Triton kernels' benchmark) is also
+    run when it exists; its JSON is attached.
     """
     import torch
 
@@ -202,7 +203,7 @@ def measure_throughput(backbone_ref: str, codec_dir: str | None, config: dict[st
                     r["decode_speedup_vs_full"] = r["decode_tok_s"] / full_tok_s
         bar.close()
         result: dict[str, Any] = {"rows": rows, "gpu": None}
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and gpu_bench:
             result["gpu"] = _gpu_bench(folder, config)
         (folder / "throughput.json").write_text(json.dumps(result, indent=2))
         return result

@@ -38,6 +38,10 @@ def metric_direction(name: str) -> tuple[str, str] | None:
         return "min", "abs"
     if base in ("ppl", "ppl_rel"):
         return "min", "rel"
+    # decode tok/s over the full cache's, timed side by side in one process: a ratio that carries from one
+    # machine to another where tok/s does not (bench-regress gates it with its own relative --speed-tolerance)
+    if base == SPEEDUP:
+        return "max", "rel"
     return None  # timing and descriptive figures are recorded, not gated
 
 
@@ -50,19 +54,22 @@ def _mean(xs: Sequence[Any]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+SPEEDUP = "decode_speedup"
 HEADLINE_KEYS = ("kr_measured", "kr_formula", "cr", "score", "rel_score", "ppl", "ppl_rel", "answer_nll",
                  "answer_nll_delta")
 
 
 def known_metric(name: str) -> bool:
-    """Whether `name` is one headline_metrics can store: a headline key, KEY_ctxL, task.TASK, decode_tok_s_ctxL."""
-    keys = "|".join(HEADLINE_KEYS + ("decode_tok_s",))
+    """Whether `name` is one headline_metrics can store: a headline key, KEY_ctxL, task.TASK, decode_tok_s_ctxL,
+    decode_speedup_ctxL."""
+    keys = "|".join(HEADLINE_KEYS + ("decode_tok_s", SPEEDUP))
     return bool(re.fullmatch(rf"(?:{'|'.join(HEADLINE_KEYS)})|(?:{keys})_ctx\d+|task\.[\w.-]+", name))
 
 
 def headline_metrics(bench_rows: Sequence[Mapping[str, Any]], method: str,
                      speed_rows: Sequence[Mapping[str, Any]] = ()) -> dict[str, float]:
-    """The registered method's figures: means over context lengths, per-length values (`name_ctxL`), per task."""
+    """The registered method's figures: means over context lengths, per-length values (`name_ctxL`), per task,
+    and from `speed_rows` its decode tok/s and decode speed-up over the full cache per length."""
     mine = [r for r in bench_rows if r["method"] == method]
     if not mine:
         raise ValueError(f"the benchmark has no rows for {method!r}")
@@ -83,6 +90,8 @@ def headline_metrics(bench_rows: Sequence[Mapping[str, Any]], method: str,
     for r in speed_rows:
         if r["method"] == method and _finite(r.get("decode_tok_s")):
             out[f"decode_tok_s_ctx{r['context_len']}"] = float(r["decode_tok_s"])
+        if r["method"] == method and _finite(r.get("decode_speedup_vs_full")):
+            out[f"{SPEEDUP}_ctx{r['context_len']}"] = float(r["decode_speedup_vs_full"])
     return out
 
 
@@ -294,10 +303,12 @@ def _logged_steps(run_id: str, key: str) -> set[int]:
 
 @task(name="register-codec", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def register_codec_version(run_id: str, codec_dir: str, name: str, metrics: Mapping[str, float],
-                           suite: Mapping[str, Any], tags: Mapping[str, Any], report_dir: str) -> dict[str, Any]:
+                           suite: Mapping[str, Any], tags: Mapping[str, Any], report_dir: str,
+                           speed_suite: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A new complete version (alias `candidate`); a retry after a crash registers a fresh version, never
     completes a half-written one (the loader refuses those)."""
-    reg = registry.register_codec(codec_dir, name=name, metrics=metrics, tags=tags, run_id=run_id, suite=suite)
+    reg = registry.register_codec(codec_dir, name=name, metrics=metrics, tags=tags, run_id=run_id, suite=suite,
+                                  speed_suite=speed_suite)
     return {"name": reg.name, "version": reg.version, "run_id": reg.run_id, "uri": reg.uri, "source": reg.source}
 
 

@@ -170,7 +170,7 @@ def test_missing_input_files_fail_before_the_model_loads(tmp_path, capsys, monke
                    capsys, "models:/rkv-nothing@champion")
 
 
-@pytest.mark.parametrize("flag", ["--tolerance", "--nll-tolerance", "--flips"])
+@pytest.mark.parametrize("flag", ["--tolerance", "--nll-tolerance", "--flips", "--speed-tolerance"])
 def test_a_negative_bench_regress_tolerance_is_a_usage_error(flag, capsys):
     """It would flag every metric as a regression: exit 1, which a CI gate reads as a failed run."""
     from flows.cli import main as flows_main

@@ -105,6 +105,11 @@ def test_run_registers_a_champion_with_artifacts(smoke, store):
     metrics = store.version_metrics(mv)
     assert {"kr_measured", "cr", "ppl_rel", "score", "task.niah_single"} <= set(metrics)
     assert 0 < metrics["kr_measured"] < 1
+    # the decode speed-up over the full cache per length, and the throughput profile bench-regress re-times
+    timed = store.version_speed_suite(mv)
+    assert timed["methods"] == ["full", "residualkv"] and timed["new_tokens"] == 3, timed
+    assert {f"decode_speedup_ctx{n}" for n in timed["context_lens"]} <= set(metrics)
+    assert all(metrics[f"decode_speedup_ctx{n}"] > 0 for n in timed["context_lens"])
     # the KR/CR table's CR is measured over decode steps: OmniKV selecting 10% reads a fraction of the
     # history, standalone all of it (as does `residualkv`, whose 2048-token budget covers a 512-token prompt)
     cr = {r["method"]: r["cr"] for r in b["kr_cr_rows"]}
@@ -311,7 +316,8 @@ def test_bench_regress_passes_against_itself_and_fails_for_a_degraded_candidate(
     from flows.cli import main as cli
 
     champion = store.get_version("models:/rkv-tiny-llama@champion")
-    assert cli(["bench-regress", "--codec", "models:/rkv-tiny-llama@champion", "--tolerance", "0.02"]) == 0
+    # speed: a tiny model's few-ms decode steps are too noisy for the gate (the next test times it)
+    assert cli(["bench-regress", "--codec", "models:/rkv-tiny-llama@champion", "--tolerance", "0.02", "--no-speed"]) == 0
     out = capsys.readouterr().out
     assert "PASS - 0 regression(s)" in out and "kr_measured" in out
 
@@ -346,6 +352,47 @@ def test_bench_regress_passes_against_itself_and_fails_for_a_degraded_candidate(
     assert result["paired"] == [] and "no paired comparison" in result["paired_note"], result["paired_note"]
     # the outcome is recorded on the version
     assert store.get_version(f"models:/rkv-tiny-llama/{reg.version}").tags["rkv.bench_regress"].startswith("fail")
+
+
+def test_bench_regress_re_times_the_decode_and_fails_a_slower_decode_path(smoke, store, tmp_path, monkeypatch):
+    """The champion's throughput profile is re-timed, full cache and ResidualKV side by side; a decode path
+    made slower for real (the codec's encoder and decoder each sleep 5 ms a call) drops the speed-up below the
+    stored one and fails, while every quality figure still passes. The plumbing check allows 0.9 of the
+    speed-up to go, not the gate's 0.4: a tiny model's steps take a few ms, where the scheduler's noise is
+    large (a re-timing read 0.34x against a stored 0.58x)."""
+    import time as clock
+
+    from flows.cli import main as cli
+    from residualkv.codec import LayerCodec
+
+    uri = "models:/rkv-tiny-llama@champion"
+    assert cli(["bench-regress", "--codec", uri, "--speed-tolerance", "0.9", "--json", str(tmp_path / "same.json")]) == 0
+    same = json.loads((tmp_path / "same.json").read_text())
+    speed = [c for c in same["comparisons"] if c["metric"].startswith("decode_speedup_ctx")]
+    assert speed and all(c["gated"] and c["measured"] > 0 for c in speed), same["comparisons"]
+    assert same["speed_note"] == ""
+    assert {r["method"] for r in same["speed_rows"]} == {"full", "residualkv"}
+    assert all(r["decode_steps_timed"] >= 3 * 2 for r in same["speed_rows"])  # 3 rounds, 3 new tokens (2 timed)
+
+    for name in ("encode", "decode"):
+        real = getattr(LayerCodec, name)
+
+        def slower(self, *args, _real=real, **kwargs):
+            clock.sleep(0.005)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(LayerCodec, name, slower)
+    assert cli(["bench-regress", "--codec", uri, "--json", str(tmp_path / "slow.json")]) == 1
+    slow = json.loads((tmp_path / "slow.json").read_text())
+    regressed = {c["metric"] for c in slow["comparisons"] if c["regressed"]}
+    assert regressed and all(m.startswith("decode_speedup_ctx") for m in regressed), slow["comparisons"]
+    assert not slow["flips"] or not any(f["regressed"] for f in slow["flips"])
+
+    # --no-speed: shown, not gated, and said why
+    assert cli(["bench-regress", "--codec", uri, "--no-speed", "--json", str(tmp_path / "off.json")]) == 0
+    off = json.loads((tmp_path / "off.json").read_text())
+    assert "not re-timed" in off["speed_note"] and off["speed_rows"] == []
+    assert all(not c["gated"] for c in off["comparisons"] if c["metric"].startswith("decode_speedup_ctx"))
 
 
 def test_bench_regress_reads_the_store_its_profile_names(smoke, store, tmp_path, capsys):
@@ -495,6 +542,7 @@ def test_bench_regress_against_itself_forgives_one_flipped_answer_and_keeps_the_
                                                                  "options": {}, "method": "residualkv"})
     monkeypatch.setattr(br.registry, "fetch_codec_dir", lambda uri: "/nowhere")
     monkeypatch.setattr(br.registry, "version_metrics", lambda v: stored_metrics)
+    monkeypatch.setattr(br.registry, "version_speed_suite", lambda v: None)  # no timing: not what is under test
     monkeypatch.setattr(br, "stored_predictions", lambda v: stored)
     monkeypatch.setattr(br, "validate_benchmark", lambda *a, **k: None)
     monkeypatch.setattr(br, "run_evaluation", lambda *a, **k: {"rows": [], "files": []})
@@ -503,7 +551,7 @@ def test_bench_regress_against_itself_forgives_one_flipped_answer_and_keeps_the_
         preds = full + records("residualkv", {"a": a, "b": b}, nll)
         monkeypatch.setattr(br, "result_predictions", lambda result: preds)
         right = (sum(a) + sum(b)) / 16
-        monkeypatch.setattr(br, "headline_metrics", lambda rows, method: stored_metrics | {
+        monkeypatch.setattr(br, "headline_metrics", lambda rows, method, speed_rows=(): stored_metrics | {
             "rel_score": right, "score": right, "task.a": sum(a) / 8, "answer_nll": nll})
         return br.bench_regress("models:/rkv-x@champion", 0.02, log_to_mlflow=False, progress=False, **kw)
 
@@ -518,6 +566,61 @@ def test_bench_regress_against_itself_forgives_one_flipped_answer_and_keeps_the_
     assert both_ways.passed, both_ways.text()
     nll = rerun([1] * 8, stored_right["b"], nll=0.53)  # same answers, right ones 0.03 nats less likely
     assert [c.metric for c in nll.regressions] == ["answer_nll"]
+
+
+def test_bench_regress_gates_the_decode_speedup_relative_to_the_baselines(monkeypatch):
+    """Which throughput profile is re-timed and how the speed-up is judged: relative to the baseline's stored
+    ratio, with its own tolerance, only where the baseline was timed the same way (registry and timings
+    replaced by their records)."""
+    import flows.bench_regress as br
+
+    timed = {"methods": ["full", "residualkv"], "context_lens": [512, 1024], "new_tokens": 6, "repeats": 1}
+    stored = {"rel_score": 1.0, "score": 1.0, "kr_measured": 0.18, "decode_speedup_ctx512": 0.5,
+              "decode_speedup_ctx1024": 0.4, "decode_tok_s_ctx512": 20.0}
+    bench = [{"method": "residualkv", "context_len": 512, "rel_score": 1.0, "score": 1.0, "kr_measured": 0.18}]
+    asked = []
+
+    class Version:
+        name, version, run_id = "rkv-x", "3", "r"
+
+    def timing(ratios):
+        def measure(ref, codec_dir, config, **kw):
+            asked.append(config | kw)
+            return {"rows": [{"method": m, "context_len": n, "decode_tok_s": 10.0 * (ratios[n] if m != "full" else 1),
+                              "decode_speedup_vs_full": ratios[n] if m != "full" else 1.0}
+                             for n in config["context_lens"] for m in config["methods"]]}
+        monkeypatch.setattr(br, "measure_throughput", measure)
+
+    monkeypatch.setattr(br.registry, "get_version", lambda uri: Version())
+    monkeypatch.setattr(br.registry, "version_suite", lambda v: {"backbone_ref": "b", "methods": ["full", "residualkv"],
+                                                                 "options": {}, "method": "residualkv"})
+    monkeypatch.setattr(br.registry, "fetch_codec_dir", lambda uri: "/nowhere")
+    monkeypatch.setattr(br.registry, "version_metrics", lambda v: stored)
+    monkeypatch.setattr(br.registry, "version_speed_suite", lambda v: timed)
+    monkeypatch.setattr(br, "stored_predictions", lambda v: None)
+    monkeypatch.setattr(br, "validate_benchmark", lambda *a, **k: None)
+    monkeypatch.setattr(br, "run_evaluation", lambda *a, **k: {"rows": bench, "files": []})
+
+    def run(**kw):
+        return br.bench_regress("models:/rkv-x@champion", 0.02, log_to_mlflow=False, progress=False, **kw)
+
+    timing({512: 0.35, 1024: 0.25})  # 0.7x and 0.625x of the stored ratios: inside the 0.4 allowed
+    ok = run()
+    assert ok.passed, ok.text()
+    assert asked[-1]["methods"] == ["full", "residualkv"] and asked[-1]["repeats"] == 3 and not asked[-1]["gpu_bench"]
+    assert {c.metric: round(c.allowed, 12) for c in ok.comparisons if c.gated and c.metric.startswith("decode")} == {
+        "decode_speedup_ctx512": 0.2, "decode_speedup_ctx1024": 0.16}
+    assert "decode_tok_s_ctx512" not in {c.metric for c in ok.comparisons}  # tok/s belongs to the machine
+    timing({512: 0.5, 1024: 0.23})  # the longer context lost more than 40% of its speed-up
+    slow = run()
+    assert [c.metric for c in slow.regressions] == ["decode_speedup_ctx1024"], slow.text()
+    assert run(speed_tolerance=0.45).passed
+    calls = len(asked)
+    assert run(speed=False).passed and len(asked) == calls  # nothing timed
+    monkeypatch.setattr(br.registry, "version_speed_suite", lambda v: None)  # registered before the tag
+    old = run()
+    assert old.passed and "stored no throughput profile" in old.speed_note and len(asked) == calls
+    assert "not gated: see below" in old.text()
 
 
 def test_bench_regress_judges_answer_nll_on_the_same_samples():
