@@ -960,11 +960,14 @@ def test_rkv_pool_compares_recipes_of_several_runs(tmp_path, capsys):
 def test_the_benchmark_scripts_parse():
     """BENCHMARKS.md cites these scripts as the commands behind its figures; they run for minutes to hours, so
     CI cannot run them, but a syntax error must not wait for the next person who needs a figure again."""
-    scripts = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.sh"))
+    folder = Path(__file__).parent.parent / "benchmarks"
+    scripts = sorted(folder.glob("*.sh"))
     assert scripts
     for script in scripts:
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, f"{script.name}: {done.stderr}"
+    for script in sorted(folder.glob("*.py")):  # compiled, not run (nor imported: some need a GPU)
+        compile(script.read_text(), str(script), "exec")
 
 
 def test_answer_nll_pairs_only_records_that_scored_the_same_gold_answer(tmp_path):
