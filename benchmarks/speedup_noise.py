@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.times < 2:
         ap.error("--times needs at least 2 timings to compare")
 
-    from flows.bench_regress import SPEED_ROUNDS, SPEED_TOLERANCE
+    from flows.bench_regress import SPEED_TOLERANCE, gate_timing
     from flows.profiles import load_profile
     from tasks.backbones import resolve_backbone
     from tasks.measure import measure_throughput
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = resolve_backbone(prof.backbones[0])
     method = prof.registry["method"]
     stored = dict(prof.throughput) | {"methods": ["full", method]}
-    gate = stored | {"repeats": max(int(stored.get("repeats", 1)), SPEED_ROUNDS)}
+    gate = gate_timing(prof.throughput, method)
     runs: dict[str, list] = {"stored": [], "gate": []}
     t0 = time.perf_counter()
     for i in range(args.times):

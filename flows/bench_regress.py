@@ -167,13 +167,22 @@ def compare(baseline: Mapping[str, float], measured: Mapping[str, float], tolera
     return out
 
 
+def is_speedup(metric: str) -> bool:
+    return metric.split("_ctx", 1)[0] == SPEEDUP
+
+
 def speed_comparisons(stored: Mapping[str, float], measured: Mapping[str, float], tolerance: float,
                       why_not: str = "") -> list[Comparison]:
     """The baseline's stored decode speed-ups against the re-timed ones; shown only, with `why_not` as the
     status, when they were not re-timed comparably."""
-    return [Comparison(k, float(v), measured.get(k), "max", "rel", tolerance, gated=not why_not,
+    return [Comparison(k, float(v), measured.get(k), *metric_direction(k), tolerance, gated=not why_not,
                        note="not gated: see below" if why_not else "")
-            for k, v in sorted(stored.items()) if k.startswith(f"{SPEEDUP}_ctx")]
+            for k, v in sorted(stored.items()) if is_speedup(k)]
+
+
+def gate_timing(timing: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """A stored throughput profile as the gate re-times it: the full cache and `method`, SPEED_ROUNDS at least."""
+    return dict(timing) | {"methods": ["full", method], "repeats": max(int(timing.get("repeats", 1)), SPEED_ROUNDS)}
 
 
 def _speed_plan(mv, base_mv, method: str, speed: bool) -> tuple[dict[str, Any] | None, str]:
@@ -191,7 +200,7 @@ def _speed_plan(mv, base_mv, method: str, speed: bool) -> tuple[dict[str, Any] |
     if not same:
         return None, (f"decode speed-up not gated: v{mv.version} and v{base_mv.version} were timed at other "
                       "context lengths or numbers of new tokens")
-    return plan | {"methods": ["full", method], "repeats": max(int(plan.get("repeats", 1)), SPEED_ROUNDS)}, ""
+    return gate_timing(plan, method), ""
 
 
 def _baseline(mv, against: str) -> tuple[str, Any]:
@@ -230,7 +239,7 @@ def bench_regress(uri: str, tolerance: float = 0.02, against: str = "auto", prog
     measured = headline_metrics(result["rows"], suite["method"], speed_rows)
 
     base_metrics = registry.version_metrics(base_mv)
-    baseline = {k: v for k, v in base_metrics.items() if not k.startswith(SPEEDUP)}  # gated by speed_comparisons
+    baseline = {k: v for k, v in base_metrics.items() if not is_speedup(k)}  # gated by speed_comparisons
     checks, flips = [], []
     if base_mv is not mv:  # another version: its scores differ from these by sampling noise, compare them paired
         base = baseline_of(base_mv, suite, lambda d: run_evaluation(ref, d, config, progress=progress), suite["method"])

@@ -263,14 +263,17 @@ def version_metrics(mv) -> dict[str, float]:
     return {k[len(METRIC_PREFIX):]: float(v) for k, v in (mv.tags or {}).items() if k.startswith(METRIC_PREFIX)}
 
 
-def version_suite(mv) -> dict[str, Any] | None:
-    raw = (mv.tags or {}).get(SUITE_TAG)
+def _json_tag(mv, tag: str) -> dict[str, Any] | None:
+    raw = (mv.tags or {}).get(tag)
     return json.loads(raw) if raw else None
+
+
+def version_suite(mv) -> dict[str, Any] | None:
+    return _json_tag(mv, SUITE_TAG)
 
 
 def version_speed_suite(mv) -> dict[str, Any] | None:
-    raw = (mv.tags or {}).get(SPEED_SUITE_TAG)
-    return json.loads(raw) if raw else None
+    return _json_tag(mv, SPEED_SUITE_TAG)
 
 
 def is_complete(mv) -> bool:

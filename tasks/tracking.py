@@ -88,10 +88,11 @@ def headline_metrics(bench_rows: Sequence[Mapping[str, Any]], method: str,
         if value is not None:
             out[f"task.{t}"] = value
     for r in speed_rows:
-        if r["method"] == method and _finite(r.get("decode_tok_s")):
-            out[f"decode_tok_s_ctx{r['context_len']}"] = float(r["decode_tok_s"])
-        if r["method"] == method and _finite(r.get("decode_speedup_vs_full")):
-            out[f"{SPEEDUP}_ctx{r['context_len']}"] = float(r["decode_speedup_vs_full"])
+        if r["method"] != method:
+            continue
+        for key, name in (("decode_tok_s", "decode_tok_s"), ("decode_speedup_vs_full", SPEEDUP)):
+            if _finite(r.get(key)):
+                out[f"{name}_ctx{r['context_len']}"] = float(r[key])
     return out
 
 

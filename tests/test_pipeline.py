@@ -515,6 +515,23 @@ def test_bench_regress_judges_scores_on_the_same_samples_against_another_version
                                                      paired=[real]).text()
 
 
+def stored_version(monkeypatch, br, metrics, *, predictions, bench_rows, speed_suite) -> None:
+    """bench_regress's registry and harness replaced by one champion's records (v3 of rkv-x): its stored
+    metrics, predictions and throughput profile, and the rows its re-run benchmark gives."""
+    class Version:
+        name, version, run_id = "rkv-x", "3", "r"
+
+    monkeypatch.setattr(br.registry, "get_version", lambda uri: Version())
+    monkeypatch.setattr(br.registry, "version_suite", lambda v: {"backbone_ref": "b", "methods": ["full", "residualkv"],
+                                                                 "options": {}, "method": "residualkv"})
+    monkeypatch.setattr(br.registry, "fetch_codec_dir", lambda uri: "/nowhere")
+    monkeypatch.setattr(br.registry, "version_metrics", lambda v: metrics)
+    monkeypatch.setattr(br.registry, "version_speed_suite", lambda v: speed_suite)
+    monkeypatch.setattr(br, "stored_predictions", lambda v: predictions)
+    monkeypatch.setattr(br, "validate_benchmark", lambda *a, **k: None)
+    monkeypatch.setattr(br, "run_evaluation", lambda *a, **k: {"rows": bench_rows, "files": []})
+
+
 def test_bench_regress_against_itself_forgives_one_flipped_answer_and_keeps_the_answer_nll_fixed(monkeypatch):
     """A self-check (the champion re-run): one answer flipped by another CPU's rounding passes, two answers lost
     by a code change fail (a paired bootstrap would let 2-3 of 16 through: the interval's top stays at 0),
@@ -534,18 +551,8 @@ def test_bench_regress_against_itself_forgives_one_flipped_answer_and_keeps_the_
     stored = full + records("residualkv", stored_right)
     stored_metrics = {"rel_score": 0.875, "score": 0.875, "task.a": 1.0, "answer_nll": 0.5, "kr_measured": 0.18}
 
-    class Version:
-        name, version, run_id = "rkv-x", "3", "r"
-
-    monkeypatch.setattr(br.registry, "get_version", lambda uri: Version())
-    monkeypatch.setattr(br.registry, "version_suite", lambda v: {"backbone_ref": "b", "methods": ["full", "residualkv"],
-                                                                 "options": {}, "method": "residualkv"})
-    monkeypatch.setattr(br.registry, "fetch_codec_dir", lambda uri: "/nowhere")
-    monkeypatch.setattr(br.registry, "version_metrics", lambda v: stored_metrics)
-    monkeypatch.setattr(br.registry, "version_speed_suite", lambda v: None)  # no timing: not what is under test
-    monkeypatch.setattr(br, "stored_predictions", lambda v: stored)
-    monkeypatch.setattr(br, "validate_benchmark", lambda *a, **k: None)
-    monkeypatch.setattr(br, "run_evaluation", lambda *a, **k: {"rows": [], "files": []})
+    # no timing: not what is under test
+    stored_version(monkeypatch, br, stored_metrics, predictions=stored, bench_rows=[], speed_suite=None)
 
     def rerun(a, b, nll=0.5, **kw):
         preds = full + records("residualkv", {"a": a, "b": b}, nll)
@@ -580,9 +587,6 @@ def test_bench_regress_gates_the_decode_speedup_relative_to_the_baselines(monkey
     bench = [{"method": "residualkv", "context_len": 512, "rel_score": 1.0, "score": 1.0, "kr_measured": 0.18}]
     asked = []
 
-    class Version:
-        name, version, run_id = "rkv-x", "3", "r"
-
     def timing(ratios):
         def measure(ref, codec_dir, config, **kw):
             asked.append(config | kw)
@@ -591,15 +595,7 @@ def test_bench_regress_gates_the_decode_speedup_relative_to_the_baselines(monkey
                              for n in config["context_lens"] for m in config["methods"]]}
         monkeypatch.setattr(br, "measure_throughput", measure)
 
-    monkeypatch.setattr(br.registry, "get_version", lambda uri: Version())
-    monkeypatch.setattr(br.registry, "version_suite", lambda v: {"backbone_ref": "b", "methods": ["full", "residualkv"],
-                                                                 "options": {}, "method": "residualkv"})
-    monkeypatch.setattr(br.registry, "fetch_codec_dir", lambda uri: "/nowhere")
-    monkeypatch.setattr(br.registry, "version_metrics", lambda v: stored)
-    monkeypatch.setattr(br.registry, "version_speed_suite", lambda v: timed)
-    monkeypatch.setattr(br, "stored_predictions", lambda v: None)
-    monkeypatch.setattr(br, "validate_benchmark", lambda *a, **k: None)
-    monkeypatch.setattr(br, "run_evaluation", lambda *a, **k: {"rows": bench, "files": []})
+    stored_version(monkeypatch, br, stored, predictions=None, bench_rows=bench, speed_suite=timed)
 
     def run(**kw):
         return br.bench_regress("models:/rkv-x@champion", 0.02, log_to_mlflow=False, progress=False, **kw)
